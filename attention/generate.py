@@ -1,0 +1,140 @@
+"""Prefill, incremental decode and sampling over ldqa's own runtime (greedy by default)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ldqa.attention.kv_cache import KVCache
+from ldqa.attention.model import Transformer
+
+
+@dataclass
+class SamplingConfig:
+    """Decoding settings.
+
+    max_new_tokens: cap on generated tokens; temperature: 0 = greedy (argmax), else softmax temperature;
+    top_p: nucleus sampling mass (Holtzman et al. 2020), 1.0 = off; seed: RNG seed for sampling;
+    stop_strings: generation stops when the decoded text contains one (it is cut off the answer).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = 0
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationStats:
+    """Timings of one generation. Times in ms; prompt_tokens counts the tokens prefilled."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput after the first token (tokens / s); 0 when only one token was made."""
+        n = self.generated_tokens - 1
+        return n / (self.decode_ms / 1000) if n > 0 and self.decode_ms > 0 else 0.0
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
+    """Pick the next token from logits (vocab,): argmax when temperature is 0, else top-p sampling."""
+    if cfg.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    if cfg.top_p < 1.0:
+        p_sorted, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(p_sorted, 0) - p_sorted < cfg.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], p_sorted[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@dataclass
+class Generation:
+    """A running generation: iterate over it for (token_id, text_delta) pairs; `stats` fills as it goes."""
+
+    model: Transformer
+    decode_fn: object
+    eos_ids: set
+    cfg: SamplingConfig
+    cache: KVCache
+    first_logits: torch.Tensor
+    stats: GenerationStats
+    t0: float
+    token_ids: list = field(default_factory=list)
+    text: str = ""
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        gen = torch.Generator().manual_seed(self.cfg.seed) if self.cfg.seed is not None else None
+        logits = self.first_logits
+        t_first = None
+        for step in range(self.cfg.max_new_tokens):
+            tok = sample(logits[0, -1], self.cfg, gen)
+            if t_first is None:
+                t_first = time.perf_counter()
+                self.stats.ttft_ms = (t_first - self.t0) * 1000
+            if tok in self.eos_ids:
+                self.stats.stop_reason = "eos"
+                break
+            self.token_ids.append(tok)
+            self.stats.generated_tokens += 1
+            full = self.decode_fn(self.token_ids)
+            cut = _first_stop(full, self.cfg.stop_strings)
+            if cut is not None:
+                full = full[:cut]
+            delta, self.text = full[len(self.text):], full
+            if delta:
+                yield tok, delta
+            if cut is not None:
+                self.stats.stop_reason = "stop_string"
+                break
+            if step + 1 == self.cfg.max_new_tokens:
+                self.stats.stop_reason = "max_new_tokens"
+                break
+            pos = torch.tensor([self.cache.next_position()])
+            logits = self.model(torch.tensor([[tok]]), pos, self.cache)
+        if t_first is not None:
+            self.stats.decode_ms = (time.perf_counter() - t_first) * 1000
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def start_generation(model: Transformer, prompt_ids: list[int], decode_fn, eos_ids, cfg: SamplingConfig,
+                     cache: KVCache | None = None, prefix_len: int = 0) -> Generation:
+    """Prefill `prompt_ids` and return the Generation to iterate.
+
+    prompt_ids: the tokens to prefill (after any `prefix_len` tokens already in `cache`, whose next
+    position continues the sequence); decode_fn: list[int] -> str; eos_ids: token ids that end the answer.
+    Raises ValueError on an empty prompt.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: nothing to prefill")
+    t0 = time.perf_counter()
+    if cache is None:
+        cache = model.new_cache(capacity=len(prompt_ids) + cfg.max_new_tokens + 8)
+    start = cache.next_position()
+    positions = torch.arange(start, start + len(prompt_ids))
+    logits = model(torch.tensor([prompt_ids]), positions, cache)
+    stats = GenerationStats(prompt_tokens=len(prompt_ids) + prefix_len,
+                            prefill_ms=(time.perf_counter() - t0) * 1000)
+    return Generation(model, decode_fn, set(eos_ids), cfg, cache, logits, stats, t0)

@@ -1,0 +1,86 @@
+"""The KV cache: keys, values and the absolute position of every cached token, per layer.
+
+Positions are explicit (as in gpt-fast): attention masks are built from them, so a cache may hold tokens
+whose positions are not 0..n-1 (blocks encoded at an offset, re-encoded blocks, a sink prefix).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Growable per-layer KV cache for one sequence (batch 1) or a batch that shares positions.
+
+    keys[l], values[l]: (batch, kv_heads, capacity, head_dim); the first `length` slots are valid.
+    positions: (capacity,) int64 absolute positions of the cached tokens (shared by all layers).
+    Storage doubles when full, so appending n tokens one at a time costs O(n) copies amortized.
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", capacity: int = 256):
+        self.num_layers = num_layers
+        self.length = 0
+        shape = (batch, kv_heads, capacity, head_dim)
+        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._pos = torch.zeros(capacity, dtype=torch.long, device=device)
+        self._pending = 0  # tokens appended by the forward pass in progress (committed by `advance`)
+
+    @property
+    def capacity(self) -> int:
+        return self._pos.shape[0]
+
+    def _grow(self, need: int) -> None:
+        cap = self.capacity
+        while cap < need:
+            cap *= 2
+        if cap == self.capacity:
+            return
+        pad = cap - self.capacity
+        self._k = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in self._k]
+        self._v = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in self._v]
+        self._pos = torch.nn.functional.pad(self._pos, (0, pad))
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Append `k`, `v` (batch, kv_heads, n, head_dim) at the end of layer `layer`.
+
+        positions: (n,) absolute positions of the new tokens. Returns the layer's valid keys, values
+        (batch, kv_heads, length + n, head_dim) and positions (length + n,). The new tokens become part
+        of `length` after `advance(n)` (called once per forward pass, after the last layer).
+        """
+        n = k.shape[2]
+        end = self.length + n
+        self._grow(end)
+        self._k[layer][:, :, self.length:end] = k
+        self._v[layer][:, :, self.length:end] = v
+        if layer == 0:
+            self._pos[self.length:end] = positions
+        return self._k[layer][:, :, :end], self._v[layer][:, :, :end], self._pos[:end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """Valid keys of `layer`: (batch, kv_heads, length, head_dim)."""
+        return self._k[layer][:, :, : self.length]
+
+    def values(self, layer: int) -> torch.Tensor:
+        """Valid values of `layer`: (batch, kv_heads, length, head_dim)."""
+        return self._v[layer][:, :, : self.length]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(length,) absolute positions of the cached tokens."""
+        return self._pos[: self.length]
+
+    def next_position(self) -> int:
+        """Position right after the last cached token (0 for an empty cache)."""
+        return int(self._pos[self.length - 1]) + 1 if self.length else 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the valid part of the cache (K and V, all layers)."""
+        if not self.length:
+            return 0
+        per = self._k[0][:, :, : self.length].numel() * self._k[0].element_size()
+        return 2 * per * self.num_layers

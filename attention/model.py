@@ -1,0 +1,211 @@
+"""A compact decoder-only transformer for the Llama, Qwen2, Qwen3 and Gemma 3 families.
+
+Parameter names follow Hugging Face's checkpoints (`model.layers.N.self_attn.q_proj.weight`, ...) so a
+transformers state dict loads as is. Positions are explicit: `forward(tokens, positions, cache)` writes
+the KV cache at those positions and masks attention by them (causal, and Gemma 3's sliding window),
+which is what block-reusable KV states and RoPE re-encoding build on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ldqa.attention.config import ModelConfig, inv_freq
+from ldqa.attention.kv_cache import KVCache
+from ldqa.kernels import dispatch
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) computed in fp32. Gemma scales by (1 + w), the others by w."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool):
+        super().__init__()
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        if self.plus_one:
+            return (xf * (1.0 + w)).type_as(x)
+        return (w * xf.type_as(x)) if x.dtype != torch.float32 else w * xf
+
+
+def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
+    """cos, sin of RoPE angles: positions (n,) int -> two (n, head_dim) tensors (angles in float64).
+
+    Layout is Hugging Face's "rotate_half": frequency i drives dimensions i and i + head_dim/2.
+    """
+    ang = positions.to(torch.float64)[:, None] * freqs[None, :]  # (n, head_dim/2)
+    ang = torch.cat([ang, ang], dim=-1)  # (n, head_dim)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: (batch, heads, n, head_dim) by angles cos/sin: (n, head_dim) (rotate_half layout)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool mask (q_len, k_len), True where query i may attend to key j.
+
+    Causal by position (k_pos[j] <= q_pos[i]); with `window`, also q_pos[i] - k_pos[j] < window
+    (Gemma 3 local layers: a query at position p sees p - window + 1 .. p). Example, positions 0..3,
+    window 2:  row p=2 -> keys 1, 2;  row p=3 -> keys 2, 3.
+    """
+    diff = q_pos[:, None] - k_pos[None, :]  # (q_len, k_len)
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        d, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            plus_one = cfg.family == "gemma3"
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, plus_one)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, plus_one)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: (batch, n, hidden) -> q (batch, heads, n, d), k, v (batch, kv_heads, n, d), RoPE applied."""
+        b, n, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(b, n, -1, d).transpose(1, 2)  # (b, h, n, d)
+        k = self.k_proj(x).view(b, n, -1, d).transpose(1, 2)  # (b, kv, n, d)
+        v = self.v_proj(x).view(b, n, -1, d).transpose(1, 2)  # (b, kv, n, d)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, positions, cache: KVCache | None, masks: dict):
+        q, k, v = self.project(x, cos, sin)
+        if cache is not None:
+            k, v, k_pos = cache.write(self.layer, k, v, positions)
+        else:
+            k_pos = positions
+        kind = self.cfg.layer_types[self.layer]
+        if kind not in masks:
+            window = self.cfg.sliding_window if kind == "sliding" else None
+            m = attention_mask(positions, k_pos, window)
+            masks[kind] = None if bool(m.all()) else m
+        out = dispatch.attention(q, k, v, mask=masks[kind], scale=self.cfg.attn_scale)  # (b, h, n, d)
+        b, h, n, d = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        if cfg.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            self.act = lambda t: F.gelu(t, approximate="tanh")
+        elif cfg.hidden_act == "silu":
+            self.act = F.silu
+        else:
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        gemma = cfg.family == "gemma3"
+        self.sandwich = gemma  # Gemma: extra norms after attention and after the MLP
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
+
+    def forward(self, x, cos, sin, positions, cache, masks):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, masks)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family == "gemma3")
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. `forward(tokens, positions, cache)` -> logits.
+
+    tokens: (batch, n) int64; positions: (n,) int64 absolute positions of these tokens (shared by the
+    batch); cache: a KVCache to read the past from and append these tokens to (None: no past, nothing
+    stored). logits: (batch, n, vocab) float32 when `all_logits`, else (batch, 1, vocab) for the last
+    token only (prefill need not pay the vocabulary projection for every prompt token).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._freqs = {}  # (theta, scaling) -> inv_freq float64
+
+    def freqs_for(self, layer: int) -> torch.Tensor:
+        """RoPE inverse frequencies (head_dim/2,) float64 of `layer`."""
+        theta, scaling = self.cfg.theta_for(layer), self.cfg.scaling_for(layer)
+        key = (theta, repr(scaling))
+        if key not in self._freqs:
+            self._freqs[key] = inv_freq(self.cfg.head_dim, theta, scaling)
+        return self._freqs[key]
+
+    def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.cfg.num_layers, batch, self.cfg.num_kv_heads, self.cfg.head_dim,
+                       dtype=p.dtype, device=p.device, capacity=capacity)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(tokens)
+        if self.cfg.family == "gemma3":  # Gemma scales embeddings by sqrt(hidden), rounded to the dtype
+            x = x * torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=x.dtype)
+        return x
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        x = self.embed(tokens)  # (b, n, hidden)
+        rope = {}
+        masks: dict = {}
+        for i, layer in enumerate(self.model.layers):
+            f = self.freqs_for(i)
+            key = id(f)
+            if key not in rope:
+                rope[key] = rope_cos_sin(positions, f, x.dtype)
+            x = layer(x, *rope[key], positions, cache, masks)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        if not all_logits:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x)).float()
