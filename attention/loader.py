@@ -238,3 +238,32 @@ def _ensure_gguf_cache(gguf: Path) -> tuple[Path, str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target, sha
+
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL) -> Tokenizer:
+    """The tokenizer of model `name` without loading its weights (chunking needs only this)."""
+    from transformers import AutoTokenizer
+
+    with _LOCK:
+        for (n, _), lm in _LOADED.items():
+            if n == name:
+                return lm.tokenizer
+        if name not in _TOKENIZERS:
+            p = Path(name).expanduser()
+            if name in PACKAGED_MODELS:
+                hf_dir, _ = _ensure_gguf_cache(resolve_gguf(name))
+            elif p.suffix == ".gguf" and p.is_file():
+                hf_dir, _ = _ensure_gguf_cache(p)
+            elif p.is_dir() and (p / "config.json").exists():
+                hf_dir = p
+            else:
+                raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
+                                     "a .gguf file, or a directory with config.json and *.safetensors")
+            cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+            eos = cfg.get("eos_token_id")
+            eos = [eos] if isinstance(eos, int) else list(eos or [])
+            _TOKENIZERS[name] = Tokenizer(AutoTokenizer.from_pretrained(str(hf_dir)), eos)
+        return _TOKENIZERS[name]

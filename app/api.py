@@ -1,0 +1,302 @@
+"""ldqa's Python API: ingest documents into a collection, ask questions, get cited answers.
+
+    from ldqa import LongDocQA
+    qa = LongDocQA(store="~/my-collection")
+    report = qa.ingest(["manual.pdf", "notes/"])      # -> IngestReport
+    answer = qa.ask("What is the maximum flow rate?")  # -> Answer(text, citations, passages, timings)
+    for piece in qa.stream("..."): print(piece, end="")  # streaming; .answer when done
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ldqa.app.citations import Citation, cite
+from ldqa.app.prompt import STOP_STRINGS, build_prompt
+
+log = logging.getLogger(__name__)
+
+RETRIEVERS = ("hybrid", "dense", "bm25")
+ATTENTION_MODES = ("full",)
+
+
+@dataclass
+class FileResult:
+    """What happened to one input file: status "added" | "replaced" | "skipped" (same content already
+    stored) | "error" (reason says why; the store is unchanged for this file)."""
+
+    path: str
+    status: str
+    chunks: int = 0
+    doc_id: int | None = None
+    reason: str = ""
+    ms: float = 0.0
+
+
+@dataclass
+class IngestReport:
+    """Per-file results of one `ingest` call plus totals; `ms` is the wall time of the call."""
+
+    files: list[FileResult] = field(default_factory=list)
+    ms: float = 0.0
+
+    @property
+    def added(self) -> int:
+        return sum(f.status in ("added", "replaced") for f in self.files)
+
+    @property
+    def skipped(self) -> int:
+        return sum(f.status == "skipped" for f in self.files)
+
+    @property
+    def errors(self) -> list[FileResult]:
+        return [f for f in self.files if f.status == "error"]
+
+    @property
+    def chunks(self) -> int:
+        return sum(f.chunks for f in self.files if f.status in ("added", "replaced"))
+
+    def to_dict(self) -> dict:
+        return {"files": [asdict(f) for f in self.files], "ms": self.ms, "added": self.added,
+                "skipped": self.skipped, "errors": len(self.errors), "chunks": self.chunks}
+
+
+@dataclass
+class Answer:
+    """A cited answer.
+
+    text: the answer; citations: Citation per cited passage; passages: the retrieved passages given to
+    the model, in prompt order ([1]..[k]); timings: retrieval_ms, prefill_ms, ttft_ms (prefill + first
+    token, ms), decode_ms, tokens_per_s (decode throughput), prompt_tokens, generated_tokens, total_ms;
+    settings: what was asked for (top_k, retriever, attention, model).
+    """
+
+    question: str
+    text: str
+    citations: list[Citation]
+    passages: list
+    timings: dict
+    settings: dict
+
+    def to_dict(self) -> dict:
+        return {"question": self.question, "text": self.text,
+                "citations": [c.to_dict() for c in self.citations],
+                "passages": [asdict(p) for p in self.passages], "timings": self.timings,
+                "settings": self.settings}
+
+
+class AnswerStream:
+    """Iterate for answer text pieces as they are generated; `answer` holds the Answer afterwards."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._pieces
+
+    def result(self) -> Answer:
+        """Drain the stream and return the Answer."""
+        for _ in self:
+            pass
+        return self.answer
+
+
+class LongDocQA:
+    """One document collection (a store directory) and one LLM.
+
+    Parameters
+    ----------
+    store : directory of the collection (created if missing); None = the default collection under the
+        user's data dir.
+    model : "gemma3-270m" (default), "smollm2-135m", a .gguf file or a Hugging Face model directory.
+    chunk_tokens, overlap_tokens : chunk size and overlap, in the LLM tokenizer's tokens.
+    index : "flat" (exact inner product, default) or "hnsw" (approximate, for large collections).
+    max_new_tokens : answer length cap (tokens).
+
+    Raises
+    ------
+    IndexMismatchError : the store was built with another embedding model.
+    ModelLoadError, UnsupportedModelError : the model cannot be found or is not a supported family.
+    """
+
+    def __init__(self, store: str | Path | None = None, model: str | None = None, chunk_tokens: int = 256,
+                 overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int = 64):
+        from ldqa.attention.loader import DEFAULT_MODEL
+        from ldqa.indexes.store import Store, default_store_dir
+        from ldqa.retrieval.chunking import ChunkConfig
+        from ldqa.retrieval.embedders import Embedder
+
+        self.model_name = model or DEFAULT_MODEL
+        self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+        self.embedder = Embedder()
+        self.store = Store(Path(store) if store else default_store_dir(), self.embedder.name,
+                           self.embedder.dim, index_kind=index)
+        self.max_new_tokens = max_new_tokens
+        self._ingest_lock = threading.Lock()
+        self._generate_lock = threading.Lock()  # one generation at a time per model (CPU-bound anyway)
+        self._retriever = None
+
+    # ----------------------------------------------------------------- ingestion
+    def ingest(self, paths: str | Path | Iterable[str | Path], progress: bool = False) -> IngestReport:
+        """Load, chunk, embed and store files (directories are walked recursively).
+
+        Same bytes as a stored document -> "skipped"; a stored path with changed bytes -> "replaced" (old
+        chunks and everything derived from them are dropped in the same transaction). A file that fails
+        (unsupported type, empty, corrupt, encrypted or image-only PDF, binary, unreadable) gets an
+        "error" result with the reason, logged to stderr; the other files go on; the store is unchanged
+        for it. Raises nothing for bad files; raises ValueError if `paths` is empty.
+        """
+        from ldqa.retrieval.loaders import iter_paths
+
+        if isinstance(paths, (str, Path)):
+            paths = [paths]
+        paths = list(paths)
+        if not paths:
+            raise ValueError("ingest: no paths given; pass files or directories")
+        t0 = time.perf_counter()
+        report = IngestReport()
+        with self._ingest_lock:
+            files = iter_paths(paths)
+            bar = _progress(files, progress, "ingest")
+            try:
+                for p in bar:
+                    report.files.append(self._ingest_one(Path(p)))
+            finally:
+                self.store.flush()
+        report.ms = (time.perf_counter() - t0) * 1000
+        for f in report.errors:
+            print(f"ldqa: {f.path}: {f.reason}", file=sys.stderr)
+        return report
+
+    def _ingest_one(self, path: Path) -> FileResult:
+        from ldqa.retrieval.chunking import chunk_document
+        from ldqa.retrieval.loaders import LoadError, load_document
+
+        t0 = time.perf_counter()
+        try:
+            doc = load_document(path)
+            same = self.store.get_document_by_sha(doc.sha256)
+            if same is not None:
+                return FileResult(str(path), "skipped", same.get("n_chunks", 0), same["id"],
+                                  f"same content as stored document {same['path']}", _ms(t0))
+            old = self.store.get_document_by_path(doc.path)
+            chunks = chunk_document(doc, self.tokenizer.count, self.chunk_config)
+            if not chunks:
+                raise LoadError(path, "no text to index after chunking")
+            vectors = self.embedder.encode([c.text for c in chunks])
+            doc_id = self.store.add_document(doc, chunks, vectors)
+            return FileResult(str(path), "replaced" if old else "added", len(chunks), doc_id, "", _ms(t0))
+        except LoadError as e:
+            return FileResult(str(path), "error", reason=e.reason if hasattr(e, "reason") else str(e), ms=_ms(t0))
+        except Exception as e:  # one bad file never stops the rest
+            log.exception("ingest failed for %s", path)
+            return FileResult(str(path), "error", reason=f"{type(e).__name__}: {e}", ms=_ms(t0))
+
+    def delete(self, doc_id: int) -> int:
+        """Delete a document with its chunks and vectors; returns how many chunks went."""
+        with self._ingest_lock:
+            removed = self.store.delete_document(doc_id)
+            self.store.flush()
+        return len(removed)
+
+    def documents(self) -> list[dict]:
+        """Stored documents (id, path, title, n_chunks, bytes, added_at, ...)."""
+        return self.store.documents()
+
+    # ----------------------------------------------------------------- models
+    @property
+    def tokenizer(self):
+        from ldqa.attention.loader import load_tokenizer
+
+        return load_tokenizer(self.model_name)
+
+    @property
+    def llm(self):
+        from ldqa.attention.loader import load_model
+
+        return load_model(self.model_name)
+
+    @property
+    def retriever(self):
+        from ldqa.retrieval.retriever import Retriever
+
+        if self._retriever is None:
+            self._retriever = Retriever(self.store, self.embedder)
+        return self._retriever
+
+    # ----------------------------------------------------------------- answering
+    def retrieve(self, question: str, top_k: int = 5, retriever: str = "hybrid") -> list:
+        """The passages `ask` would use (RetrievedPassage list, best first)."""
+        _check_question(question, top_k, retriever)
+        return self.retriever.search(question, top_k=top_k, mode=retriever)
+
+    def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
+            max_new_tokens: int | None = None) -> Answer:
+        """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
+        return self.stream(question, top_k, retriever, attention, max_new_tokens).result()
+
+    def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
+               max_new_tokens: int | None = None) -> AnswerStream:
+        """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
+
+        top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
+        attention: "full" (exact attention over the whole prompt).
+        Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode),
+        EmptyCollectionError (nothing ingested yet).
+        """
+        _check_question(question, top_k, retriever)
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
+        t0 = time.perf_counter()
+        passages = self.retriever.search(question, top_k=top_k, mode=retriever)
+        retrieval_ms = _ms(t0)
+        settings = {"top_k": top_k, "retriever": retriever, "attention": attention, "model": self.model_name}
+        stream = AnswerStream(iter(()))
+        stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings,
+                                        max_new_tokens or self.max_new_tokens, t0)
+        return stream
+
+    def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0):
+        from ldqa.attention.generate import SamplingConfig, start_generation
+
+        llm = self.llm
+        prompt = build_prompt(llm.tokenizer, passages, question)
+        cfg = SamplingConfig(max_new_tokens=max_new, stop_strings=STOP_STRINGS)
+        with self._generate_lock:
+            gen = start_generation(llm.model, prompt.ids(), llm.tokenizer.decode, llm.tokenizer.eos_ids, cfg)
+            for _, delta in gen:
+                yield delta
+        text = gen.text.strip()
+        s = gen.stats
+        timings = {"retrieval_ms": retrieval_ms, "prefill_ms": s.prefill_ms, "ttft_ms": s.ttft_ms,
+                   "decode_ms": s.decode_ms, "tokens_per_s": s.tokens_per_s, "prompt_tokens": s.prompt_tokens,
+                   "generated_tokens": s.generated_tokens, "stop_reason": s.stop_reason, "total_ms": _ms(t0)}
+        stream.answer = Answer(question, text, cite(text, passages), passages, timings, settings)
+
+
+def _check_question(question, top_k, retriever) -> None:
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("question is empty: ask something, e.g. ldqa ask \"What is ...?\"")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if retriever not in RETRIEVERS:
+        raise ValueError(f"retriever={retriever!r}: choose one of {', '.join(RETRIEVERS)}")
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+def _progress(items, on: bool, desc: str):
+    if not on:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="file", file=sys.stderr)

@@ -1,0 +1,143 @@
+"""`ldqa` command line: ingest, ask, demo.
+
+    ldqa ingest PATH... [--store DIR] [--chunk-tokens N]
+    ldqa ask "question" [--store DIR] [--top-k K] [--retriever hybrid|dense|bm25] [--model M] [--json]
+    ldqa demo [--store DIR]     # ingest the bundled sample, answer its questions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+SAMPLE_DIR = Path(__file__).parent / "sample"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", help="collection directory (default: the user's data dir, ldqa/default)")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (default), smollm2-135m, a .gguf file or a Hugging Face model directory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ldqa", description="Long-document question answering with citations.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("ingest", help="add files or directories (.txt .md .pdf .html) to the collection")
+    _common(p)
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="chunk size in LLM tokens (default 256)")
+    p.add_argument("--overlap-tokens", type=int, default=32, help="overlap between chunks (default 32)")
+    p.add_argument("--index", choices=["flat", "hnsw"], default=None,
+                   help="dense index: flat (exact, default for new stores) or hnsw (approximate)")
+    p.add_argument("--json", action="store_true", help="print the IngestReport as JSON")
+
+    for name, help_ in (("ask", "answer a question from the collection"),
+                        ("demo", "ingest the bundled sample and answer its questions")):
+        p = sub.add_parser(name, help=help_)
+        _common(p)
+        if name == "ask":
+            p.add_argument("question")
+        p.add_argument("--top-k", type=int, default=5, help="passages given to the model (default 5)")
+        p.add_argument("--retriever", choices=["hybrid", "dense", "bm25"], default="hybrid")
+        p.add_argument("--attention", choices=["full"], default="full", help="attention mode")
+        p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--json", action="store_true", help="print the whole Answer as one JSON object")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="ldqa: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return {"ingest": cmd_ingest, "ask": cmd_ask, "demo": cmd_demo}[args.cmd](args)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"ldqa {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _qa(args, **kw):
+    from ldqa.app.api import LongDocQA
+
+    return LongDocQA(store=args.store, model=args.model, **kw)
+
+
+def cmd_ingest(args) -> int:
+    qa = _qa(args, chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens, index=args.index)
+    report = qa.ingest(args.paths, progress=not args.json)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        for f in report.files:
+            extra = f"{f.chunks} chunks" if f.status != "error" else f.reason
+            print(f"{f.status:9s} {f.path}  ({extra})")
+        print(f"{report.added} added/replaced, {report.skipped} skipped, {len(report.errors)} errors, "
+              f"{report.chunks} chunks in {report.ms / 1000:.1f} s; store {qa.store.path}")
+    return 1 if report.errors and not report.added and not report.skipped else 0
+
+
+def cmd_ask(args) -> int:
+    qa = _qa(args)
+    kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
+              max_new_tokens=args.max_new_tokens)
+    if args.json:
+        print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
+        return 0
+    stream = qa.stream(args.question, **kw)
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
+    print_answer_details(stream.answer)
+    return 0
+
+
+def print_answer_details(ans) -> None:
+    for c in ans.citations:
+        page = f", page {c.page}" if c.page else ""
+        print(f"  [{c.n}] {c.title} ({Path(c.path).name}{page}, chars {c.start}-{c.end}; {c.method})")
+    if not ans.citations:
+        print("  (no passage supports this answer verbatim; passages used:)")
+        for i, p in enumerate(ans.passages[:3], 1):
+            print(f"  [{i}] {p.title} ({Path(p.path).name}{f', page {p.page}' if p.page else ''})")
+    t = ans.timings
+    print(f"  retrieval {t['retrieval_ms']:.0f} ms | TTFT {t['ttft_ms']:.0f} ms ({t['prompt_tokens']} prompt tokens)"
+          f" | {t['tokens_per_s']:.1f} tokens/s | total {t['total_ms'] / 1000:.1f} s")
+
+
+def cmd_demo(args) -> int:
+    import tempfile
+
+    from ldqa.eval.metrics import best_subspan_em
+
+    store = args.store or tempfile.mkdtemp(prefix="ldqa-demo-")
+    args.store = store
+    qa = _qa(args)
+    print(f"== ingesting the bundled sample ({SAMPLE_DIR / 'docs'}) into {store}")
+    report = qa.ingest([SAMPLE_DIR / "docs"])
+    for f in report.files:
+        print(f"  {f.status:9s} {Path(f.path).name}: {f.chunks} chunks {f.reason}")
+    questions = [json.loads(line) for line in (SAMPLE_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
+    correct = 0
+    results = []
+    for q in questions:
+        print(f"\n== Q: {q['question']}")
+        ans = qa.ask(q["question"], top_k=args.top_k, retriever=args.retriever, attention=args.attention,
+                     max_new_tokens=args.max_new_tokens)
+        ok = best_subspan_em(ans.text, q["answers"])
+        correct += ok
+        print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")
+        print_answer_details(ans)
+        results.append(ans.to_dict() | {"gold": q["answers"], "correct": ok})
+    print(f"\n== {int(correct)}/{len(questions)} answers contain the gold answer (best-subspan EM)")
+    if args.json:
+        print(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random-weight models of every supported family (built with transformers, so
+they double as parity references) and paths to the shared data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+FAMILIES = ("llama", "llama3-scaled", "qwen2", "qwen3", "gemma3")
+
+
+def _hf_config(family: str, vocab: int):
+    import transformers as T
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if family == "llama":
+        return T.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True), T.LlamaForCausalLM
+    if family == "llama3-scaled":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return T.LlamaConfig(**common, rope_parameters=rope), T.LlamaForCausalLM
+    if family == "qwen2":
+        return T.Qwen2Config(**common, rope_theta=1e6), T.Qwen2ForCausalLM
+    if family == "qwen3":
+        return T.Qwen3Config(**common, head_dim=32, rope_theta=1e6), T.Qwen3ForCausalLM
+    if family == "gemma3":
+        cfg = T.Gemma3TextConfig(**{**common, "num_hidden_layers": 4, "num_key_value_heads": 1}, head_dim=32,
+                                 query_pre_attn_scalar=32, sliding_window=16,
+                                 layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                                              "full_attention"],
+                                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                  "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+        return cfg, T.Gemma3ForCausalLM
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer():
+    """SmolLM2's tokenizer (49K vocab), converted once from the packaged GGUF."""
+    from ldqa.attention.loader import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, small_tokenizer):
+    """factory(family) -> a Hugging Face model directory with random weights (seeded) + a tokenizer."""
+    import torch
+
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            torch.manual_seed(0)
+            cfg, cls = _hf_config(family, len(small_tokenizer.hf))
+            model = cls(cfg).eval()
+            with torch.no_grad():  # random norms so (1 + w) vs w mistakes show up
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.normal_(0.0, 0.3)
+            d = tmp_path_factory.mktemp(f"tiny-{family}")
+            model.save_pretrained(d)
+            small_tokenizer.hf.save_pretrained(d)
+            made[family] = d
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.exists():
+        pytest.skip(f"{SHARED_DATA} not present (the shared data folder sits beside the repository)")
+    return SHARED_DATA

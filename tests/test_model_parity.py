@@ -1,0 +1,91 @@
+"""ldqa's runtime against transformers: same logits (fp32), same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+FAMILIES = ("llama", "llama3-scaled", "qwen2", "qwen3", "gemma3")  # as in conftest._hf_config
+from ldqa.attention.config import ModelConfig, UnsupportedModelError
+from ldqa.attention.generate import SamplingConfig, start_generation
+from ldqa.attention.loader import load_model
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _prompt(lm, n: int) -> list[int]:
+    text = ("The block attention method encodes every retrieved passage independently and reuses "
+            "its key and value states for later questions. ") * 30
+    return ([lm.tokenizer.bos_id] if lm.tokenizer.bos_id is not None else []) + lm.tokenizer.encode(text)[: n - 1]
+
+
+def _greedy_ours(lm, ids, n_new):
+    gen = start_generation(lm.model, ids, lm.tokenizer.decode, [], SamplingConfig(max_new_tokens=n_new))
+    for _ in gen:
+        pass
+    return gen.token_ids
+
+
+def _greedy_hf(hf, ids, n_new):
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _check(lm, hf, n_prompt, n_new, atol):
+    ids = _prompt(lm, n_prompt)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits.float()
+    ours = lm.model(torch.tensor([ids]), torch.arange(len(ids)), None, all_logits=True)
+    assert (ours - ref).abs().max().item() < atol
+    assert _greedy_ours(lm, ids, n_new) == _greedy_hf(hf, ids, n_new)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_random_model_matches_transformers(tiny_model_dir, family):
+    d = tiny_model_dir(family)
+    lm = load_model(str(d))
+    assert lm.config.family == {"llama3-scaled": "llama"}.get(family, family)
+    if family == "llama3-scaled":
+        assert lm.config.rope_scaling["rope_type"] == "llama3"
+    # 40 prompt tokens > Gemma's tiny sliding window of 16: the window mask is exercised
+    _check(lm, _hf(d), n_prompt=40, n_new=32, atol=1e-4)
+
+
+def test_incremental_decode_equals_full_forward(tiny_model_dir):
+    lm = load_model(str(tiny_model_dir("gemma3")))
+    ids = _prompt(lm, 30)
+    full = lm.model(torch.tensor([ids]), torch.arange(len(ids)), None, all_logits=True)
+    cache = lm.model.new_cache(capacity=4)  # forces the cache to grow
+    lm.model(torch.tensor([ids[:20]]), torch.arange(20), cache)
+    for i in range(20, len(ids)):
+        step = lm.model(torch.tensor([[ids[i]]]), torch.tensor([i]), cache)
+        assert torch.allclose(step[0, -1], full[0, i], atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3-270m", "smollm2-135m"])
+def test_packaged_model_matches_transformers(name):
+    lm = load_model(name)
+    _check(lm, _hf(lm.hf_dir), n_prompt=200, n_new=32, atol=1e-3)
+
+
+def test_unsupported_architecture_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*supported families"):
+        ModelConfig.from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2)
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_special_token_text_is_plain_text(small_tokenizer):
+    tok = small_tokenizer
+    ids = tok.encode("before <|im_start|>system <|endoftext|> after")
+    special = set(tok.hf.all_special_ids)
+    assert not special & set(ids)
+    assert "<|im_start|>" in tok.decode(ids)
