@@ -166,16 +166,51 @@ class LongDocQA:
             files = iter_paths(paths)
             bar = _progress(files, progress, "ingest")
             try:
-                for p in bar:
-                    report.files.append(self._ingest_one(Path(p)))
+                for group in _groups(list(files), 32):
+                    report.files += self._ingest_group(group)
+                    if hasattr(bar, "update"):
+                        bar.update(len(group))
             finally:
                 self.store.flush()
+                if hasattr(bar, "close"):
+                    bar.close()
         report.ms = (time.perf_counter() - t0) * 1000
         for f in report.errors:
             print(f"ldqa: {f.path}: {f.reason}", file=sys.stderr)
         return report
 
-    def _ingest_one(self, path: Path) -> FileResult:
+    def _ingest_group(self, paths: list[Path]) -> list[FileResult]:
+        """Load and chunk each file, embed the group's chunks in one batch, store each file in its own
+        transaction. A failure in any step is that file's error result only."""
+        t0 = time.perf_counter()
+        prepared = [self._prepare(Path(p)) for p in paths]
+        todo = [x for x in prepared if not isinstance(x, FileResult)]
+        texts = [c.text for _, _, chunks in todo for c in chunks]
+        try:
+            vectors = self.embedder.encode(texts) if texts else None
+        except Exception as e:  # embedding the batch failed: fall back to one file at a time
+            log.warning("batch embedding failed (%s); embedding file by file", e)
+            vectors = None
+        out, row = [], 0
+        for x in prepared:
+            if isinstance(x, FileResult):
+                out.append(x)
+                continue
+            doc, old, chunks = x
+            try:
+                vec = vectors[row:row + len(chunks)] if vectors is not None else \
+                    self.embedder.encode([c.text for c in chunks])
+                doc_id = self.store.add_document(doc, chunks, vec)
+                out.append(FileResult(doc.path, "replaced" if old else "added", len(chunks), doc_id, "", _ms(t0)))
+            except Exception as e:  # one bad file never stops the rest
+                log.exception("ingest failed for %s", doc.path)
+                out.append(FileResult(doc.path, "error", reason=f"{type(e).__name__}: {e}", ms=_ms(t0)))
+            row += len(chunks)
+        return out
+
+    def _prepare(self, path: Path):
+        """(Document, old stored row or None, chunks) for a file to store, or its FileResult when it is
+        skipped (same content stored) or fails to load."""
         from ldqa.retrieval.chunking import chunk_document
         from ldqa.retrieval.loaders import LoadError, load_document
 
@@ -186,15 +221,12 @@ class LongDocQA:
             if same is not None:
                 return FileResult(str(path), "skipped", same.get("n_chunks", 0), same["id"],
                                   f"same content as stored document {same['path']}", _ms(t0))
-            old = self.store.get_document_by_path(doc.path)
             chunks = chunk_document(doc, self.tokenizer.count, self.chunk_config)
             if not chunks:
                 raise LoadError(path, "no text to index after chunking")
-            vectors = self.embedder.encode([c.text for c in chunks])
-            doc_id = self.store.add_document(doc, chunks, vectors)
-            return FileResult(str(path), "replaced" if old else "added", len(chunks), doc_id, "", _ms(t0))
+            return doc, self.store.get_document_by_path(doc.path), chunks
         except LoadError as e:
-            return FileResult(str(path), "error", reason=e.reason if hasattr(e, "reason") else str(e), ms=_ms(t0))
+            return FileResult(str(path), "error", reason=getattr(e, "reason", str(e)), ms=_ms(t0))
         except Exception as e:  # one bad file never stops the rest
             log.exception("ingest failed for %s", path)
             return FileResult(str(path), "error", reason=f"{type(e).__name__}: {e}", ms=_ms(t0))
@@ -294,9 +326,15 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def _groups(items: list, n: int):
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
 def _progress(items, on: bool, desc: str):
+    """A tqdm bar over `items` (updated by the caller), or None when off."""
     if not on:
-        return items
+        return None
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, unit="file", file=sys.stderr)
+    return tqdm(total=len(items), desc=desc, unit="file", file=sys.stderr)

@@ -16,16 +16,29 @@ def attention(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Exact attention through torch's scaled_dot_product_attention; see `dispatch.attention`."""
-    q_heads, kv_heads = q.shape[1], k.shape[1]
+    """Exact attention; see `dispatch.attention`.
+
+    Few query rows (decode): GQA as one grouped matmul, (b, kv, group * q_len, d) @ (b, kv, d, L), no
+    copy of K/V per query head. Many rows (prefill): torch's SDPA with `enable_gqa`.
+    """
+    b, q_heads, n, d = q.shape
+    kv_heads = k.shape[1]
     if q_heads % kv_heads:
         raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
-    if kv_heads != q_heads:  # GQA: (b, kv_heads, L, d) -> (b, q_heads, L, d)
-        k = k.repeat_interleave(q_heads // kv_heads, dim=1)
-        v = v.repeat_interleave(q_heads // kv_heads, dim=1)
+    scale = d**-0.5 if scale is None else scale
+    if n <= 16:
+        g = q_heads // kv_heads
+        qg = q.reshape(b, kv_heads, g * n, d)  # (b, kvh, g*n, d): head h -> kv head h // g
+        s = (qg @ k.transpose(-1, -2)) * scale  # (b, kvh, g*n, L)
+        if mask is not None:
+            m = mask.expand(b, q_heads, n, k.shape[2]).reshape(b, kv_heads, g * n, -1)
+            s = s.masked_fill(~m, float("-inf"))
+        p = torch.softmax(s.float(), dim=-1).nan_to_num_(0.0).to(v.dtype)  # empty rows -> zeros
+        return (p @ v).reshape(b, q_heads, n, d)
+    gqa = kv_heads != q_heads
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     empty = ~mask.any(dim=-1, keepdim=True)  # (b|1, h|1, q_len, 1): rows with nothing to attend to
     if empty.any():
         out = out.masked_fill(empty, 0.0)
@@ -76,7 +89,7 @@ def prefill_attention(
     b, hq, q_len, d = q.shape
     hkv, k_len = k.shape[1], k.shape[2]
     spec = common.make_mask_spec(
-        q_len, k_len, d, q.device, causal=causal, window=window, q_pos=q_pos, k_pos=k_pos,
+        q_len, k_len, d, q.dtype, q.device, causal=causal, window=window, q_pos=q_pos, k_pos=k_pos,
         q_block_ids=q_block_ids, k_block_ids=k_block_ids, tile_mask=tile_mask, tile_size=tile_size,
     )
     scale = common.resolve_scale(scale, d)
@@ -108,7 +121,7 @@ def decode_attention(
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of `dispatch.decode_attention` (`num_splits` is accepted and ignored)."""
-    kv = common.check_decode_inputs(q, k_cache, v_cache, kv_len, indices, sink, window)
+    kv, _ = common.check_decode_inputs(q, k_cache, v_cache, kv_len, indices, sink, window)
     b, hq, n_q, d = q.shape
     hkv, cache_len = k_cache.shape[1], k_cache.shape[2]
     mask = common.decode_mask(
