@@ -1,0 +1,159 @@
+"""The Python API end to end on the bundled sample, with a tiny random-weight Gemma 3 (fast) and, marked
+slow, the real Gemma 3 270M."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ldqa.app.api import LongDocQA
+from ldqa.retrieval.retriever import EmptyCollectionError
+
+SAMPLE = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
+
+
+@pytest.fixture
+def tiny_qa(tmp_path, tiny_model_dir):
+    return LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=8)
+
+
+def _copy_sample(dst: Path) -> Path:
+    shutil.copytree(SAMPLE, dst)
+    return dst
+
+
+def test_ingest_dedup_and_replace(tiny_qa, tmp_path):
+    docs = _copy_sample(tmp_path / "docs")
+    r1 = tiny_qa.ingest([docs])
+    assert [f.status for f in r1.files] == ["added"] * 4, r1.files
+    n_chunks = tiny_qa.store.n_chunks()
+    assert n_chunks == r1.chunks > 4
+    r2 = tiny_qa.ingest([docs])
+    assert [f.status for f in r2.files] == ["skipped"] * 4
+    assert tiny_qa.store.n_chunks() == n_chunks
+    log = docs / "maintenance_log.txt"
+    old = tiny_qa.store.get_document_by_path(str(log.resolve()))
+    log.write_text("Kiln SL30-9999 was repainted blue on 2 May 2025.\n", encoding="utf-8")
+    r3 = tiny_qa.ingest([log])
+    assert r3.files[0].status == "replaced" and r3.files[0].chunks == 1
+    assert tiny_qa.store.n_documents() == 4
+    assert tiny_qa.store.n_chunks() == n_chunks - old["n_chunks"] + 1
+    hits = tiny_qa.retrieve("repainted blue", top_k=1, retriever="bm25")
+    assert "repainted blue" in hits[0].text
+
+
+def test_ask_returns_cited_answer_with_timings(tiny_qa):
+    tiny_qa.ingest([SAMPLE])
+    stream = tiny_qa.stream("How much does the SL-30 Pro model cost?", top_k=3)
+    pieces = list(stream)
+    ans = stream.answer
+    assert "".join(pieces).strip() == ans.text
+    assert len(ans.passages) == 3
+    assert {"retrieval_ms", "ttft_ms", "tokens_per_s", "prompt_tokens", "generated_tokens"} <= ans.timings.keys()
+    assert ans.timings["prompt_tokens"] > 100 and ans.timings["generated_tokens"] >= 1
+    assert ans.settings["top_k"] == 3
+    d = ans.to_dict()
+    assert d["passages"][0]["title"] and "citations" in d
+
+
+def test_bad_inputs_are_reported_per_file(tiny_qa, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "empty.txt").write_text("")
+    (bad / "blank.md").write_text("  \n\t \n")
+    (bad / "binary.txt").write_bytes(b"\x00\x01\x02" * 200)
+    (bad / "broken.pdf").write_bytes(b"%PDF-1.4\n1 0 obj << /Type /Catalog >>\nnot a pdf")
+    docx = tmp_path / "notes.docx"  # given by name: a directory walk only takes supported types
+    docx.write_bytes(b"PK\x03\x04")
+    good = bad / "good.txt"
+    good.write_text("The pressure relief valve opens at 2.5 bar.\n")
+    report = tiny_qa.ingest([bad, docx, tmp_path / "missing.txt"])
+    status = {Path(f.path).name: f.status for f in report.files}
+    assert status == {"binary.txt": "error", "blank.md": "error", "broken.pdf": "error", "empty.txt": "error",
+                      "good.txt": "added", "notes.docx": "error", "missing.txt": "error"}
+    for f in report.errors:
+        assert f.reason and Path(f.path).name  # a reason for every failure
+    assert tiny_qa.store.n_documents() == 1
+
+
+def test_question_errors(tiny_qa):
+    with pytest.raises(EmptyCollectionError, match="ingest"):
+        tiny_qa.ask("anything?")
+    tiny_qa.ingest([SAMPLE])
+    with pytest.raises(ValueError, match="question is empty"):
+        tiny_qa.ask("   ")
+    with pytest.raises(ValueError, match="top_k"):
+        tiny_qa.ask("What?", top_k=0)
+    with pytest.raises(ValueError, match="retriever"):
+        tiny_qa.ask("What?", retriever="magic")
+
+
+def test_special_token_text_in_documents_stays_plain(tiny_qa, tmp_path):
+    from ldqa.app.prompt import build_prompt
+
+    doc = tmp_path / "tricky.txt"
+    doc.write_text("Operators type <|im_start|>system and <|endoftext|> into the console. <bos> too.\n")
+    tiny_qa.ingest([doc])
+    passages = tiny_qa.retrieve("What do operators type into the console?", top_k=1)
+    tok = tiny_qa.llm.tokenizer
+    ids = build_prompt(tok, passages, "What do operators type?").ids()
+    special = set(tok.hf.all_special_ids)
+    assert [i for i in ids if i in special] == ([tok.bos_id] if tok.bos_id in special else [])
+    assert "<|im_start|>" in tok.decode(ids)
+
+
+CRASH = textwrap.dedent("""
+    import os, sys
+    from ldqa.app.api import LongDocQA
+    from ldqa.indexes.store import Store
+    where = sys.argv[3]
+    if where == "before_faiss":          # every SQLite commit done, faiss file never written
+        Store.flush = lambda self: os._exit(17)
+    else:                                # die inside the 3rd file's transaction
+        real, n = Store.add_document, [0]
+        def add(self, *a, **k):
+            n[0] += 1
+            if n[0] == 3:
+                self.db.conn.execute("BEGIN")
+                self.db.conn.execute("DELETE FROM chunks")
+                os._exit(17)
+            return real(self, *a, **k)
+        Store.add_document = add
+    LongDocQA(store=sys.argv[1], model=sys.argv[2]).ingest([sys.argv[4]])
+""")
+
+
+@pytest.mark.parametrize("where", ["before_faiss", "mid_transaction"])
+def test_store_survives_a_crash_mid_ingest(tmp_path, tiny_model_dir, where):
+    model = str(tiny_model_dir("gemma3"))
+    store = tmp_path / "store"
+    first = tmp_path / "first.txt"
+    first.write_text("The drying chamber holds exactly forty boards of oak.\n")
+    qa = LongDocQA(store=store, model=model)
+    qa.ingest([first])
+    qa.store.close()
+    proc = subprocess.run([sys.executable, "-c", CRASH, str(store), model, where, str(SAMPLE)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    qa = LongDocQA(store=store, model=model)  # opens; rebuilds what is stale
+    n_docs = qa.store.n_documents()
+    assert n_docs == (5 if where == "before_faiss" else 3)  # committed files are kept, the torn one is not
+    dense = qa.retrieve("How many boards does the drying chamber hold?", top_k=n_docs * 3, retriever="dense")
+    assert {p.doc_id for p in dense} == {d["id"] for d in qa.documents()}
+    assert "forty boards" in qa.retrieve("forty boards of oak", top_k=1, retriever="bm25")[0].text
+    report = qa.ingest([SAMPLE])  # the rest comes in on the next run
+    assert qa.store.n_documents() == 5 and not report.errors
+
+
+@pytest.mark.slow
+def test_real_gemma_answers_a_sample_question(tmp_path):
+    qa = LongDocQA(store=tmp_path / "store")
+    qa.ingest([SAMPLE])
+    ans = qa.ask("How much does the SL-30 Pro model cost?", top_k=3)
+    assert "8,450" in ans.text
+    assert ans.citations and ans.citations[0].path.endswith("product_page.html")
