@@ -128,12 +128,13 @@ class LongDocQA:
 
     def __init__(self, store: str | Path | None = None, model: str | None = None, chunk_tokens: int = 256,
                  overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int = 64):
-        from ldqa.attention.loader import DEFAULT_MODEL
+        from ldqa.attention.loader import DEFAULT_MODEL, check_model_name
         from ldqa.indexes.store import Store, default_store_dir
         from ldqa.retrieval.chunking import ChunkConfig
         from ldqa.retrieval.embedders import Embedder
 
         self.model_name = model or DEFAULT_MODEL
+        check_model_name(self.model_name)
         self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
         self.embedder = Embedder()
         self.store = Store(Path(store) if store else default_store_dir(), self.embedder.name,

