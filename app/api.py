@@ -23,7 +23,7 @@ from ldqa.app.prompt import STOP_STRINGS, build_prompt
 log = logging.getLogger(__name__)
 
 RETRIEVERS = ("hybrid", "dense", "bm25")
-ATTENTION_MODES = ("full",)
+ATTENTION_MODES = ("full", "block", "block+recompute")
 
 
 @dataclass
@@ -74,7 +74,10 @@ class Answer:
     text: the answer; citations: Citation per cited passage; passages: the retrieved passages given to
     the model, in prompt order ([1]..[k]); timings: retrieval_ms, prefill_ms, ttft_ms (prefill + first
     token, ms), decode_ms, tokens_per_s (decode throughput), prompt_tokens, generated_tokens, total_ms;
-    settings: what was asked for (top_k, retriever, attention, model).
+    settings: what was asked for (top_k, retriever, attention, model, recompute_ratio); when block reuse
+    is off (its RoPE self-check failed) `attention_used` says "full" and `fallback_reason` why.
+    timings also has tokens_reused / tokens_computed and, in block modes, kv_hits, kv_misses,
+    kv_hit_rate, assemble_ms.
     """
 
     question: str
@@ -119,6 +122,7 @@ class LongDocQA:
     chunk_tokens, overlap_tokens : chunk size and overlap, in the LLM tokenizer's tokens.
     index : "flat" (exact inner product, default) or "hnsw" (approximate, for large collections).
     max_new_tokens : answer length cap (tokens).
+    kv_budget_mb : in-memory budget of the KV block store (MB); blocks also persist under <store>/kv.
 
     Raises
     ------
@@ -127,7 +131,8 @@ class LongDocQA:
     """
 
     def __init__(self, store: str | Path | None = None, model: str | None = None, chunk_tokens: int = 256,
-                 overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int = 64):
+                 overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int = 64,
+                 kv_budget_mb: int = 512):
         from ldqa.attention.loader import DEFAULT_MODEL, check_model_name
         from ldqa.indexes.store import Store, default_store_dir
         from ldqa.retrieval.chunking import ChunkConfig
@@ -143,6 +148,11 @@ class LongDocQA:
         self._ingest_lock = threading.Lock()
         self._generate_lock = threading.Lock()  # one generation at a time per model (CPU-bound anyway)
         self._retriever = None
+        from ldqa.indexes.kv_store import KVBlockStore
+
+        self.kv_store = KVBlockStore(self.store.path / "kv", memory_budget_bytes=kv_budget_mb << 20)
+        self.store.on_chunks_removed(self.kv_store.drop_chunks)  # replaced/deleted documents lose their blocks
+        self._block_runtime = None
 
     # ----------------------------------------------------------------- ingestion
     def ingest(self, paths: str | Path | Iterable[str | Path], progress: bool = False) -> IngestReport:
@@ -232,6 +242,30 @@ class LongDocQA:
             log.exception("ingest failed for %s", path)
             return FileResult(str(path), "error", reason=f"{type(e).__name__}: {e}", ms=_ms(t0))
 
+    def precompute_kv(self, doc_ids: Iterable[int] | None = None, progress: bool = False) -> dict:
+        """Encode and store the KV block of every chunk of `doc_ids` (default: all) for the current model,
+        so the first question over them already hits the store. Returns {"blocks", "computed", "ms"}.
+        """
+        from ldqa.app.prompt import build_prompt
+        from ldqa.attention.block_attention import PrefillStats
+
+        t0 = time.perf_counter()
+        ids = self.store.chunk_ids(doc_ids)
+        rows = self.store.get_chunks(ids)
+        rt, tok = self.block_runtime, self.llm.tokenizer
+        stats = PrefillStats()
+        bar = _progress(rows, progress, "kv blocks")
+        with self._generate_lock:
+            for row in rows:
+                p = Passage(row["title"], row["text"], row["page"], row["id"])
+                seg = build_prompt(tok, [p], "?")
+                rt.get_block(seg.prefix, seg.passages[0], row["id"], stats)
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return {"blocks": len(rows), "computed": stats.kv_misses, "ms": _ms(t0)}
+
     def delete(self, doc_id: int) -> int:
         """Delete a document with its chunks and vectors; returns how many chunks went."""
         with self._ingest_lock:
@@ -271,29 +305,69 @@ class LongDocQA:
         return self.retriever.search(question, top_k=top_k, mode=retriever)
 
     def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
-            max_new_tokens: int | None = None) -> Answer:
+            max_new_tokens: int | None = None, recompute_ratio: float | None = None) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
-        return self.stream(question, top_k, retriever, attention, max_new_tokens).result()
+        return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio).result()
 
     def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
-               max_new_tokens: int | None = None) -> AnswerStream:
+               max_new_tokens: int | None = None, recompute_ratio: float | None = None) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
-        attention: "full" (exact attention over the whole prompt).
+        attention: "full" (exact attention over the whole prompt), "block" (each passage's KV states
+        computed once, stored and reused, re-positioned by RoPE re-encoding; only the question and the
+        passage headers are computed fresh) or "block+recompute" (block, plus CacheBlend-style
+        recomputation of a `recompute_ratio` fraction of each passage's tokens; default 0.15).
         Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode),
         EmptyCollectionError (nothing ingested yet).
         """
         _check_question(question, top_k, retriever)
-        if attention not in ATTENTION_MODES:
-            raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
+        _check_attention(attention, recompute_ratio)
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
-        settings = {"top_k": top_k, "retriever": retriever, "attention": attention, "model": self.model_name}
+        settings = {"top_k": top_k, "retriever": retriever}
+        return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
+                                   retrieval_ms, settings, t0)
+
+    def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
+               recompute_ratio: float | None = None) -> Answer:
+        """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
+
+        passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
+        `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
+        passages without a chunk_id are stored but not tied to a document.
+        """
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("question is empty: ask something")
+        if not passages:
+            raise ValueError("passages is empty: give at least one passage")
+        _check_attention(attention, recompute_ratio)
+        passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
+        return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
+                                   {"top_k": len(passages), "retriever": "given"}, time.perf_counter()).result()
+
+    @property
+    def block_runtime(self):
+        """The BlockRuntime of the current model (created, and RoPE self-checked, on first use)."""
+        from ldqa.attention.block_attention import BlockRuntime
+
+        if self._block_runtime is None:
+            llm = self.llm
+            rt = BlockRuntime(llm.model, llm.fingerprint, self.kv_store)
+            rt.self_check()
+            self._block_runtime = rt
+        return self._block_runtime
+
+    def _answer_stream(self, question, passages, attention, max_new, ratio, retrieval_ms, settings, t0):
+        settings = {**settings, "attention": attention, "model": self.model_name}
+        if attention == "block+recompute":
+            from ldqa.attention.block_attention import DEFAULT_RECOMPUTE_RATIO
+
+            settings["recompute_ratio"] = DEFAULT_RECOMPUTE_RATIO if ratio is None else ratio
         stream = AnswerStream(iter(()))
         stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings,
-                                        max_new_tokens or self.max_new_tokens, t0)
+                                        max_new or self.max_new_tokens, t0)
         return stream
 
     def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0):
@@ -302,8 +376,23 @@ class LongDocQA:
         llm = self.llm
         prompt = build_prompt(llm.tokenizer, passages, question)
         cfg = SamplingConfig(max_new_tokens=max_new, stop_strings=STOP_STRINGS)
+        mode = settings["attention"]
+        block_stats = None
         with self._generate_lock:
-            gen = start_generation(llm.model, prompt.ids(), llm.tokenizer.decode, llm.tokenizer.eos_ids, cfg)
+            t_start = time.perf_counter()
+            if mode != "full" and not self.block_runtime.enabled:
+                settings["attention_used"] = "full"
+                settings["fallback_reason"] = self.block_runtime.disabled_reason
+                mode = "full"
+            if mode == "full":
+                gen = start_generation(llm.model, prompt.ids(), llm.tokenizer.decode, llm.tokenizer.eos_ids, cfg,
+                                       t0=t_start)
+            else:
+                cache, block_stats = self.block_runtime.assemble(
+                    prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
+                    recompute_ratio=settings.get("recompute_ratio", 0.0), extra_capacity=max_new + 8)
+                gen = start_generation(llm.model, prompt.question, llm.tokenizer.decode, llm.tokenizer.eos_ids,
+                                       cfg, cache=cache, prefix_len=cache.length, t0=t_start)
             for _, delta in gen:
                 yield delta
         text = gen.text.strip()
@@ -311,7 +400,39 @@ class LongDocQA:
         timings = {"retrieval_ms": retrieval_ms, "prefill_ms": s.prefill_ms, "ttft_ms": s.ttft_ms,
                    "decode_ms": s.decode_ms, "tokens_per_s": s.tokens_per_s, "prompt_tokens": s.prompt_tokens,
                    "generated_tokens": s.generated_tokens, "stop_reason": s.stop_reason, "total_ms": _ms(t0)}
+        if block_stats is not None:
+            timings |= block_stats.to_dict()
+            timings["tokens_computed"] += len(prompt.question)
+        else:
+            timings |= {"tokens_reused": 0, "tokens_computed": s.prompt_tokens}
         stream.answer = Answer(question, text, cite(text, passages), passages, timings, settings)
+
+
+@dataclass
+class Passage:
+    """A passage given directly to `LongDocQA.answer` (benchmarks): title, text, optional page/ids."""
+
+    title: str
+    text: str
+    page: int | None = None
+    chunk_id: int | None = None
+    doc_id: int | None = None
+    path: str = ""
+    start: int = 0
+    end: int = 0
+
+    @classmethod
+    def of(cls, obj) -> "Passage":
+        if isinstance(obj, dict):
+            return cls(**{k: v for k, v in obj.items() if k in cls.__dataclass_fields__})
+        return cls(obj.title, obj.text, getattr(obj, "page", None))
+
+
+def _check_attention(attention, ratio) -> None:
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio}")
 
 
 def _check_question(question, top_k, retriever) -> None:

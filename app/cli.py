@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", choices=["flat", "hnsw"], default=None,
                    help="dense index: flat (exact, default for new stores) or hnsw (approximate)")
     p.add_argument("--json", action="store_true", help="print the IngestReport as JSON")
+    p.add_argument("--precompute-kv", action="store_true",
+                   help="also encode and store every new chunk's KV block (faster first questions in block modes)")
 
     for name, help_ in (("ask", "answer a question from the collection"),
                         ("demo", "ingest the bundled sample and answer its questions")):
@@ -44,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("question")
         p.add_argument("--top-k", type=int, default=5, help="passages given to the model (default 5)")
         p.add_argument("--retriever", choices=["hybrid", "dense", "bm25"], default="hybrid")
-        p.add_argument("--attention", choices=["full"], default="full", help="attention mode")
+        p.add_argument("--attention", choices=["full", "block", "block+recompute"], default="full",
+                       help="full: exact attention over the prompt; block: reuse stored per-passage KV states "
+                            "(RoPE re-encoded); block+recompute: block plus recomputing a fraction of tokens")
+        p.add_argument("--recompute-ratio", type=float, default=None,
+                       help="fraction of each passage's tokens recomputed in block+recompute (default 0.15)")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--json", action="store_true", help="print the whole Answer as one JSON object")
     return ap
@@ -70,6 +76,11 @@ def _qa(args, **kw):
 def cmd_ingest(args) -> int:
     qa = _qa(args, chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens, index=args.index)
     report = qa.ingest(args.paths, progress=not args.json)
+    if args.precompute_kv:
+        new_docs = [f.doc_id for f in report.files if f.status in ("added", "replaced")]
+        kv = qa.precompute_kv(new_docs, progress=not args.json)
+        if not args.json:
+            print(f"KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -84,7 +95,7 @@ def cmd_ingest(args) -> int:
 def cmd_ask(args) -> int:
     qa = _qa(args)
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
-              max_new_tokens=args.max_new_tokens)
+              max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio)
     if args.json:
         print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
         return 0
@@ -105,8 +116,9 @@ def print_answer_details(ans) -> None:
         for i, p in enumerate(ans.passages[:3], 1):
             print(f"  [{i}] {p.title} ({Path(p.path).name}{f', page {p.page}' if p.page else ''})")
     t = ans.timings
+    reuse = f" | {t['tokens_reused']} tokens reused from the KV store" if t.get("tokens_reused") else ""
     print(f"  retrieval {t['retrieval_ms']:.0f} ms | TTFT {t['ttft_ms']:.0f} ms ({t['prompt_tokens']} prompt tokens)"
-          f" | {t['tokens_per_s']:.1f} tokens/s | total {t['total_ms'] / 1000:.1f} s")
+          f" | {t['tokens_per_s']:.1f} tokens/s | total {t['total_ms'] / 1000:.1f} s{reuse}")
 
 
 def cmd_demo(args) -> int:
@@ -127,7 +139,7 @@ def cmd_demo(args) -> int:
     for q in questions:
         print(f"\n== Q: {q['question']}")
         ans = qa.ask(q["question"], top_k=args.top_k, retriever=args.retriever, attention=args.attention,
-                     max_new_tokens=args.max_new_tokens)
+                     max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio)
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")

@@ -2,15 +2,16 @@
 
 Layout (token ids, each segment tokenized on its own, as plain text):
 
-    [BOS][instruction]                      <- the shared prefix (the "sink" of Block-Attention)
-    [Passage [1] (Title: ..., page p) text\n\n]   <- one segment per retrieved passage
+    [BOS][instruction]                         <- the shared prefix (the "sink" of Block-Attention)
+    [Passage [1]][ (Title: ..., page p) text\n\n] <- a header (the passage's number) + the passage body
     ...
-    [Passage [k] ...]
-    [Question: ...\nAnswer:]                 <- the question segment, always last
+    [Passage [k]][...]
+    [Question: ...\nAnswer:]                    <- the question segment, always last
 
 The wording follows the prompt of "Lost in the Middle" (Liu et al. 2023), with passages numbered so the
 answer can cite them as [n]. Keeping the segments separate is what lets a passage's KV states be computed
-once and reused (issue 3): a passage's tokens never depend on its neighbours.
+once and reused (issue 3): a passage body's tokens never depend on its neighbours or on its rank; only
+the few header tokens carry the rank-dependent number, and they are computed fresh in block mode.
 """
 
 from __future__ import annotations
@@ -26,27 +27,34 @@ STOP_STRINGS = ("\n\n", "\nQuestion:", "\nPassage [")
 
 @dataclass
 class PromptSegments:
-    """Token ids of the prompt's parts: prefix (BOS + instruction), passages (one list each), question."""
+    """Token ids of the prompt's parts: prefix (BOS + instruction), per passage a header ("Passage [n]")
+    and a body (title, page, text), then the question."""
 
     prefix: list[int]
+    headers: list[list[int]]
     passages: list[list[int]]
     question: list[int]
 
     def ids(self) -> list[int]:
-        """The whole prompt, in order."""
+        """The whole prompt, in order: prefix, header 1, body 1, ..., header k, body k, question."""
         out = list(self.prefix)
-        for p in self.passages:
-            out += p
+        for h, p in zip(self.headers, self.passages):
+            out += h + p
         return out + self.question
 
     def __len__(self) -> int:
-        return len(self.prefix) + sum(map(len, self.passages)) + len(self.question)
+        return len(self.ids())
 
 
-def passage_text(n: int, title: str, text: str, page: int | None = None) -> str:
-    """The text of passage block n (1-based), e.g. 'Passage [2] (Title: Manual, page 3) ...'."""
+def header_text(n: int) -> str:
+    """The rank-dependent header of passage n (1-based)."""
+    return f"Passage [{n}]"
+
+
+def passage_text(title: str, text: str, page: int | None = None) -> str:
+    """The rank-independent body of a passage, e.g. ' (Title: Manual, page 3) ...'."""
     where = f"Title: {title}" + (f", page {page}" if page else "")
-    return f"Passage [{n}] ({where}) {text.strip()}\n\n"
+    return f" ({where}) {text.strip()}\n\n"
 
 
 def question_text(question: str) -> str:
@@ -60,5 +68,6 @@ def build_prompt(tokenizer, passages, question: str) -> PromptSegments:
     (`<bos>`, `<|im_start|>`, ...) as plain text; only the BOS id is a real control token.
     """
     prefix = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(INSTRUCTION)
-    blocks = [tokenizer.encode(passage_text(i + 1, p.title, p.text, p.page)) for i, p in enumerate(passages)]
-    return PromptSegments(prefix, blocks, tokenizer.encode(question_text(question)))
+    headers = [tokenizer.encode(header_text(i + 1)) for i in range(len(passages))]
+    blocks = [tokenizer.encode(passage_text(p.title, p.text, p.page)) for p in passages]
+    return PromptSegments(prefix, headers, blocks, tokenizer.encode(question_text(question)))

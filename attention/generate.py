@@ -120,7 +120,7 @@ def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
 
 
 def start_generation(model: Transformer, prompt_ids: list[int], decode_fn, eos_ids, cfg: SamplingConfig,
-                     cache: KVCache | None = None, prefix_len: int = 0) -> Generation:
+                     cache: KVCache | None = None, prefix_len: int = 0, t0: float | None = None) -> Generation:
     """Prefill `prompt_ids` and return the Generation to iterate.
 
     prompt_ids: the tokens to prefill (after any `prefix_len` tokens already in `cache`, whose next
@@ -129,7 +129,7 @@ def start_generation(model: Transformer, prompt_ids: list[int], decode_fn, eos_i
     """
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: nothing to prefill")
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     if cache is None:
         cache = model.new_cache(capacity=len(prompt_ids) + cfg.max_new_tokens + 8)
     start = cache.next_position()

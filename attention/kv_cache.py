@@ -58,6 +58,41 @@ class KVCache:
             self._pos[self.length:end] = positions
         return self._k[layer][:, :, :end], self._v[layer][:, :, :end], self._pos[:end]
 
+    def write_at(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        """Overwrite the KV of already-cached tokens at cache slots `slots` (n,) of layer `layer`.
+
+        k, v: (batch, kv_heads, n, head_dim). Used to recompute some tokens in place (headers of reused
+        blocks, CacheBlend-style selective recomputation). Returns the layer's valid keys, values and
+        positions, like `write`. Positions are not changed.
+        """
+        self._k[layer][:, :, slots] = k
+        self._v[layer][:, :, slots] = v
+        return self.keys(layer), self.values(layer), self.positions
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append a whole block: keys, values (num_layers, kv_heads, n, head_dim) at `positions` (n,).
+
+        The batch dimension is 1 here (blocks are stored per sequence).
+        """
+        n = keys.shape[2]
+        end = self.length + n
+        self._grow(end)
+        for layer in range(self.num_layers):
+            self._k[layer][0, :, self.length:end] = keys[layer]
+            self._v[layer][0, :, self.length:end] = values[layer]
+        self._pos[self.length:end] = positions
+        self.length = end
+
+    def block(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy of slots [start, end) of every layer: keys, values (num_layers, kv_heads, n, head_dim)."""
+        k = torch.stack([t[0, :, start:end] for t in self._k])
+        v = torch.stack([t[0, :, start:end] for t in self._v])
+        return k, v
+
+    def truncate(self, length: int) -> None:
+        """Forget every token after the first `length`."""
+        self.length = min(self.length, length)
+
     def advance(self, n: int) -> None:
         self.length += n
 

@@ -92,9 +92,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, positions, cache: KVCache | None, masks: dict):
+    def forward(self, x, cos, sin, positions, cache: KVCache | None, masks: dict, slots=None):
         q, k, v = self.project(x, cos, sin)
-        if cache is not None:
+        if slots is not None:  # recompute tokens already in the cache, in place
+            k, v, k_pos = cache.write_at(self.layer, k, v, slots)
+        elif cache is not None:
             k, v, k_pos = cache.write(self.layer, k, v, positions)
         else:
             k_pos = positions
@@ -138,8 +140,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
-    def forward(self, x, cos, sin, positions, cache, masks):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, masks)
+    def forward(self, x, cos, sin, positions, cache, masks, slots=None):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, masks, slots)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -194,17 +196,24 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, slots: torch.Tensor | None = None,
+                n_layers: int | None = None) -> torch.Tensor:
+        """slots: (n,) cache slots that already hold these tokens (their positions set): their K/V are
+        recomputed and overwritten layer by layer, each layer attending over the whole cache (causal by
+        position); the cache does not grow. n_layers: stop after that many layers and return the hidden
+        states (b, n, hidden) instead of logits."""
         x = self.embed(tokens)  # (b, n, hidden)
         rope = {}
         masks: dict = {}
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.layers[:n_layers]):
             f = self.freqs_for(i)
             key = id(f)
             if key not in rope:
                 rope[key] = rope_cos_sin(positions, f, x.dtype)
-            x = layer(x, *rope[key], positions, cache, masks)
-        if cache is not None:
+            x = layer(x, *rope[key], positions, cache, masks, slots)
+        if n_layers is not None:
+            return x
+        if cache is not None and slots is None:
             cache.advance(tokens.shape[1])
         if not all_logits:
             x = x[:, -1:]

@@ -580,6 +580,20 @@ class Store:
                     found[row["id"]] = row
         return [found[i] for i in ids if i in found]
 
+    def chunk_ids(self, doc_ids: Iterable[int] | None = None) -> list[int]:
+        """Ids of the chunks of `doc_ids` (all documents when None), ascending."""
+        with self._lock:
+            self._check_open()
+            if doc_ids is None:
+                return [r[0] for r in self.db.execute("SELECT id FROM chunks ORDER BY id")]
+            out: list[int] = []
+            docs = [int(d) for d in doc_ids]
+            for lo in range(0, len(docs), _SQL_BATCH):
+                batch = docs[lo:lo + _SQL_BATCH]
+                marks = ", ".join("?" * len(batch))
+                out += [r[0] for r in self.db.execute(f"SELECT id FROM chunks WHERE doc_id IN ({marks})", batch)]
+            return sorted(out)
+
     def get_vectors(self, ids: Sequence[int]) -> np.ndarray:
         """Stored embeddings for `ids`, float32 (len(ids), dim), in order.  Raises KeyError on unknown ids."""
         ids = [int(i) for i in ids]

@@ -157,3 +157,33 @@ def test_real_gemma_answers_a_sample_question(tmp_path):
     ans = qa.ask("How much does the SL-30 Pro model cost?", top_k=3)
     assert "8,450" in ans.text
     assert ans.citations and ans.citations[0].path.endswith("product_page.html")
+
+
+def test_block_modes_reuse_stored_kv_and_match_full_at_ratio_one(tiny_qa, tmp_path):
+    docs = _copy_sample(tmp_path / "docs")
+    tiny_qa.ingest([docs])
+    q = "According to service bulletin SB-2024-07, what torque for each fan hub bolt?"
+    full = tiny_qa.ask(q, top_k=3)
+    assert full.timings["tokens_reused"] == 0
+    cold = tiny_qa.ask(q, top_k=3, attention="block")
+    assert cold.timings["kv_misses"] == 3 and cold.timings["kv_hits"] == 0
+    warm = tiny_qa.ask(q, top_k=3, attention="block")
+    assert warm.timings["kv_hits"] == 3 and warm.timings["tokens_reused"] > 100
+    assert warm.text == cold.text  # the stored blocks (fp16) give the same greedy answer here
+    exact = tiny_qa.ask(q, top_k=3, attention="block+recompute", recompute_ratio=1.0)
+    assert exact.text == full.text and exact.timings["tokens_reused"] == 0
+
+
+def test_precompute_kv_fills_the_store_and_replacement_drops_blocks(tiny_qa, tmp_path):
+    docs = _copy_sample(tmp_path / "docs")
+    report = tiny_qa.ingest([docs])
+    kv = tiny_qa.precompute_kv([f.doc_id for f in report.files])
+    assert kv["blocks"] == tiny_qa.store.n_chunks() == kv["computed"]
+    assert tiny_qa.kv_store.stats.entries_on_disk == kv["blocks"]
+    ans = tiny_qa.ask("What is the maximum load of the chamber?", top_k=2, attention="block")
+    assert ans.timings["kv_hits"] == 2 and ans.timings["kv_misses"] == 0
+    log = docs / "maintenance_log.txt"
+    n_old = tiny_qa.store.get_document_by_path(str(log.resolve()))["n_chunks"]
+    log.write_text("Fresh content about kiln paint colours only.\n", encoding="utf-8")
+    tiny_qa.ingest([log])  # its chunks go, and with them their KV blocks; the others stay
+    assert tiny_qa.kv_store.stats.entries_on_disk == kv["blocks"] - n_old

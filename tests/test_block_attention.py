@@ -1,0 +1,109 @@
+"""Block-reusable KV states: block prefill, RoPE re-encoding, assembly, selective recomputation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ldqa.app.prompt import build_prompt
+from ldqa.attention.block_attention import BlockRuntime, reencode_keys_
+from ldqa.attention.loader import load_model
+
+
+@dataclass
+class P:
+    title: str
+    text: str
+    page: int | None = None
+
+
+PASSAGES = [P("Kiln manual", "The SL-30 chamber holds 3.2 cubic metres of stacked lumber. " * 3),
+            P("Bulletin", "Tighten each fan hub bolt to 18 Nm with a calibrated wrench. " * 4, 2),
+            P("Log", "Fan No. 2 was replaced on 14 March 2023 after bearing noise. " * 2)]
+
+
+@pytest.fixture(params=["gemma3", "llama"])
+def lm(request, tiny_model_dir):
+    return load_model(str(tiny_model_dir(request.param)))
+
+
+def _full_logits(lm, ids):
+    return lm.model(torch.tensor([ids]), torch.arange(len(ids)), None, all_logits=True)[0]
+
+
+def test_block_prefill_equals_forward_of_prefix_plus_chunk(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES, "q?")
+    rt = BlockRuntime(lm.model, "fp")
+    k, v = rt.encode_block(seg.prefix, seg.passages[1])
+    ids = seg.prefix + seg.passages[1]
+    cache = lm.model.new_cache()
+    lm.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
+    ref_k, ref_v = cache.block(len(seg.prefix), len(ids))
+    assert torch.allclose(k, ref_k, atol=1e-4) and torch.allclose(v, ref_v, atol=1e-4)
+
+
+def test_reencoded_keys_equal_keys_computed_at_target_positions(lm):
+    rt = BlockRuntime(lm.model, "fp")
+    assert rt.self_check()
+    ids = torch.tensor([lm.tokenizer.encode("Tighten each fan hub bolt to 18 Nm.")])
+    n = ids.shape[1]
+    for offset in (1, 513, 32768):
+        a, b = lm.model.new_cache(), lm.model.new_cache()
+        lm.model(ids, torch.arange(n), a)
+        lm.model(ids, torch.arange(offset, offset + n), b)
+        moved = reencode_keys_(lm.model, a.block(0, n)[0], offset)
+        assert (moved - b.block(0, n)[0]).abs().max().item() < 1e-5 * max(1.0, b.block(0, n)[0].abs().max().item())
+
+
+def test_recompute_all_tokens_reproduces_full_attention(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
+    rt = BlockRuntime(lm.model, "fp")
+    cache, stats = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=1.0)
+    assert stats.tokens_reused == 0 and stats.tokens_recomputed == sum(map(len, seg.passages))
+    ids = seg.ids()
+    q = seg.question
+    ours = lm.model(torch.tensor([q]), torch.arange(len(ids) - len(q), len(ids)), cache, all_logits=True)[0]
+    ref = _full_logits(lm, ids)[-len(q):]
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_block_mode_differs_from_full_but_keeps_the_prefix_and_question_exact(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
+    rt = BlockRuntime(lm.model, "fp")
+    cache, stats = rt.assemble(seg, [None] * 3, mode="block")
+    ids = seg.ids()
+    assert cache.length == len(ids) - len(seg.question)
+    assert torch.equal(cache.positions, torch.arange(cache.length))
+    assert stats.tokens_computed == sum(map(len, seg.passages)) + sum(map(len, seg.headers))
+    # the first body attends to [prefix][body] in block mode but [prefix][header][body] in full: they differ
+    full = lm.model.new_cache()
+    lm.model(torch.tensor([ids[:cache.length]]), torch.arange(cache.length), full)
+    p = len(seg.prefix)
+    assert torch.allclose(cache.block(0, p)[0], full.block(0, p)[0], atol=1e-5)  # prefix exact
+    h = len(seg.headers[0])
+    assert torch.allclose(cache.block(p, p + h)[0], full.block(p, p + h)[0], atol=1e-4)  # header 1 exact
+    assert not torch.allclose(cache.block(0, cache.length)[0], full.block(0, cache.length)[0], atol=1e-4)
+
+
+def test_partial_recompute_moves_toward_full_attention(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
+    rt = BlockRuntime(lm.model, "fp")
+    ids, q = seg.ids(), seg.question
+    ref = _full_logits(lm, ids)[-1]
+    errs = []
+    for mode, r in (("block", 0.0), ("block+recompute", 0.5), ("block+recompute", 1.0)):
+        cache, _ = rt.assemble(seg, [None] * 3, mode=mode, recompute_ratio=r)
+        out = lm.model(torch.tensor([q]), torch.arange(len(ids) - len(q), len(ids)), cache)[0, -1]
+        errs.append((out - ref).abs().max().item())
+    assert errs[2] < 1e-3 and errs[1] < errs[0]
+
+
+def test_bad_mode_and_ratio(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES[:1], "q?")
+    rt = BlockRuntime(lm.model, "fp")
+    with pytest.raises(ValueError, match="mode"):
+        rt.assemble(seg, [None], mode="full")
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        rt.assemble(seg, [None], mode="block+recompute", recompute_ratio=1.5)
