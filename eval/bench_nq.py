@@ -16,7 +16,6 @@ Writes `results.json` (summary) and `per_question.jsonl` to --out.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import resource
@@ -26,21 +25,7 @@ import time
 from pathlib import Path
 
 from ldqa.eval.metrics import best_subspan_em
-
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "nq-open-oracle.jsonl.gz"
-
-
-def load_nq(path: Path) -> list[dict]:
-    """Records {question, answers, title, text} of the NQ-open oracle file (gold passage = ctxs[0])."""
-    out = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            gold = r["ctxs"][0]
-            out.append({"question": r["question"], "answers": r["answers"], "title": gold["title"],
-                        "text": gold["text"]})
-    return out
-
+from ldqa.eval.nq import DEFAULT_DATA, load_nq
 
 def write_passages(records: list[dict], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
