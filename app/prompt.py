@@ -22,7 +22,7 @@ INSTRUCTION = (
     "Write a high-quality answer for the given question using only the provided search results "
     "(some of which might be irrelevant). Cite the passages you use as [n].\n\n"
 )
-STOP_STRINGS = ("\n\n", "\nQuestion:", "\nPassage [")
+STOP_STRINGS = ("\n\n", "\nQuestion:", "\nAnswer:", "\nPassage [")
 
 
 @dataclass
