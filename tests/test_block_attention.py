@@ -107,3 +107,24 @@ def test_bad_mode_and_ratio(lm):
         rt.assemble(seg, [None], mode="full")
     with pytest.raises(ValueError, match="recompute_ratio"):
         rt.assemble(seg, [None], mode="block+recompute", recompute_ratio=1.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3-270m", "smollm2-135m"])
+def test_real_model_reencoding_is_exact_up_to_32k(name):
+    lm = load_model(name)
+    rt = BlockRuntime(lm.model, lm.fingerprint)
+    assert rt.self_check(), rt.disabled_reason
+    ids = torch.tensor([[lm.tokenizer.bos_id] + lm.tokenizer.encode("Tighten each fan hub bolt to 18 Nm.")])
+    n = ids.shape[1]
+    base = lm.model.new_cache()
+    lm.model(ids, torch.arange(n), base)
+    for offset in (7, 4096, 32768 - n):
+        direct = lm.model.new_cache()
+        lm.model(ids, torch.arange(offset, offset + n), direct)
+        moved = reencode_keys_(lm.model, base.block(0, n)[0].clone(), offset)  # (L, kvh, n, d)
+        want = direct.block(0, n)[0]
+        # layer 0: keys depend on (token, position) only, so this is RoPE alone: 1e-5 relative
+        assert (moved[0] - want[0]).abs().max() <= 1e-5 * want[0].abs().max()
+        # deeper layers also carry the model's float error through attention (same relative positions)
+        assert (moved - want).abs().max() <= 1e-3 * want.abs().max()
