@@ -194,7 +194,18 @@ class LongDocQA:
         """Load and chunk each file, embed the group's chunks in one batch, store each file in its own
         transaction. A failure in any step is that file's error result only."""
         t0 = time.perf_counter()
-        prepared = [self._prepare(Path(p)) for p in paths]
+        prepared, first_of, twins = [], {}, []  # twins: (FileResult, sha) of in-batch duplicates
+        for p in paths:
+            x = self._prepare(Path(p))
+            if not isinstance(x, FileResult):
+                sha = x[0].sha256
+                if sha in first_of:  # same bytes twice in one batch: the first one is stored
+                    x = FileResult(str(p), "skipped", len(x[2]), None, f"same content as {first_of[sha]}",
+                                   _ms(t0))
+                    twins.append((x, sha))
+                else:
+                    first_of[sha] = x[0].path
+            prepared.append(x)
         todo = [x for x in prepared if not isinstance(x, FileResult)]
         texts = [c.text for _, _, chunks in todo for c in chunks]
         try:
@@ -217,6 +228,9 @@ class LongDocQA:
                 log.exception("ingest failed for %s", doc.path)
                 out.append(FileResult(doc.path, "error", reason=f"{type(e).__name__}: {e}", ms=_ms(t0)))
             row += len(chunks)
+        stored = {r.path: r.doc_id for r in out if r.status in ("added", "replaced")}
+        for r, sha in twins:  # in-batch duplicates point at the stored copy
+            r.doc_id = stored.get(first_of[sha])
         return out
 
     def _prepare(self, path: Path):

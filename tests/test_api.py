@@ -187,3 +187,13 @@ def test_precompute_kv_fills_the_store_and_replacement_drops_blocks(tiny_qa, tmp
     log.write_text("Fresh content about kiln paint colours only.\n", encoding="utf-8")
     tiny_qa.ingest([log])  # its chunks go, and with them their KV blocks; the others stay
     assert tiny_qa.kv_store.stats.entries_on_disk == kv["blocks"] - n_old
+
+
+def test_same_bytes_twice_in_one_batch_is_stored_once(tiny_qa, tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    for p in (a, b):
+        p.write_text("Identical passage about kiln humidity control.\n")
+    report = tiny_qa.ingest([a, b])
+    assert [f.status for f in report.files] == ["added", "skipped"]
+    assert report.files[1].doc_id == report.files[0].doc_id
+    assert tiny_qa.store.n_documents() == 1
