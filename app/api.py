@@ -385,7 +385,7 @@ class LongDocQA:
         return stream
 
     def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0):
-        from ldqa.attention.generate import SamplingConfig, start_generation
+        from ldqa.attention.generate import SamplingConfig, continue_generation, start_generation
 
         llm = self.llm
         prompt = build_prompt(llm.tokenizer, passages, question)
@@ -402,11 +402,11 @@ class LongDocQA:
                 gen = start_generation(llm.model, prompt.ids(), llm.tokenizer.decode, llm.tokenizer.eos_ids, cfg,
                                        t0=t_start)
             else:
-                cache, block_stats = self.block_runtime.assemble(
+                cache, logits, block_stats = self.block_runtime.prefill(
                     prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
                     recompute_ratio=settings.get("recompute_ratio", 0.0), extra_capacity=max_new + 8)
-                gen = start_generation(llm.model, prompt.question, llm.tokenizer.decode, llm.tokenizer.eos_ids,
-                                       cfg, cache=cache, prefix_len=cache.length, t0=t_start)
+                gen = continue_generation(llm.model, cache, logits, llm.tokenizer.decode, llm.tokenizer.eos_ids,
+                                          cfg, t0=t_start)
             for _, delta in gen:
                 yield delta
         text = gen.text.strip()
@@ -416,7 +416,6 @@ class LongDocQA:
                    "generated_tokens": s.generated_tokens, "stop_reason": s.stop_reason, "total_ms": _ms(t0)}
         if block_stats is not None:
             timings |= block_stats.to_dict()
-            timings["tokens_computed"] += len(prompt.question)
         else:
             timings |= {"tokens_reused": 0, "tokens_computed": s.prompt_tokens}
         stream.answer = Answer(question, text, cite(text, passages), passages, timings, settings)

@@ -147,15 +147,25 @@ class BlockRuntime:
         return k, v
 
     # ------------------------------------------------------------------ assembly
+    def prefill(self, segments, chunk_ids: list[int | None], mode: str = "block",
+                recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64):
+        """`assemble` plus the question, in the same single pass as the headers (and recomputed tokens).
+
+        Returns (cache holding the whole prompt, logits of the last prompt token (1, 1, vocab), stats).
+        """
+        return self.assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, with_question=True)
+
     def assemble(self, segments, chunk_ids: list[int | None], mode: str = "block",
-                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64):
+                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64,
+                 with_question: bool = False):
         """Build the cache [prefix][h1][b1]...[hk][bk] for `segments` (app.prompt.PromptSegments), ready
         for the question to be prefilled after it.
 
         mode "block": bodies from stored blocks, re-encoded to their offsets; headers computed fresh.
         mode "block+recompute": also recompute, per block, the `recompute_ratio` fraction of tokens whose
         layer-1 keys deviate most from full attention (CacheBlend); ratio 1.0 reproduces full attention.
-        Returns (cache, PrefillStats). Raises ValueError on an unknown mode or a ratio outside [0, 1].
+        Returns (cache, PrefillStats); with `with_question`, (cache, logits, PrefillStats) (see `prefill`).
+        Raises ValueError on an unknown mode or a ratio outside [0, 1].
         """
         if mode not in ("block", "block+recompute"):
             raise ValueError(f"assemble: mode must be 'block' or 'block+recompute', got {mode!r}")
@@ -185,17 +195,23 @@ class BlockRuntime:
             stats.tokens_recomputed = len(chosen)
             stats.tokens_reused -= min(stats.tokens_reused, len(chosen))
             fresh = sorted(set(fresh) | set(chosen))
-        if fresh:
-            self._recompute(cache, slot_ids, fresh)
+        if with_question:  # the question joins the same pass: placeholders at the end, computed below
+            at, q = cache.length, segments.question
+            hk = torch.zeros(pk.shape[0], pk.shape[1], len(q), pk.shape[3], dtype=pk.dtype)
+            cache.extend(hk, hk, torch.arange(at, at + len(q)))
+            fresh += range(at, at + len(q))
+            slot_ids += q
+        logits = self._recompute(cache, slot_ids, fresh) if fresh else None
         stats.tokens_computed += len(fresh)
         stats.assemble_ms = (time.perf_counter() - t0) * 1000
-        return cache, stats
+        return (cache, logits, stats) if with_question else (cache, stats)
 
-    def _recompute(self, cache: KVCache, slot_ids: list[int], slots: list[int]) -> None:
+    def _recompute(self, cache: KVCache, slot_ids: list[int], slots: list[int]) -> torch.Tensor:
         """Compute the tokens at cache `slots` (sorted) fresh through all layers, in place; each attends
-        to everything before it in the cache (reused and fresh alike)."""
+        to everything before it in the cache (reused and fresh alike). Returns the logits of the last
+        slot, (1, 1, vocab)."""
         s = torch.tensor(slots)
-        self.model(torch.tensor([[slot_ids[i] for i in slots]]), cache.positions[s], cache, slots=s)
+        return self.model(torch.tensor([[slot_ids[i] for i in slots]]), cache.positions[s], cache, slots=s)
 
     def _select(self, cache: KVCache, slot_ids, spans, fresh, ratio: float) -> list[int]:
         """CacheBlend token selection (Yao et al. 2024, sec. 4.3).

@@ -119,6 +119,14 @@ def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
+def continue_generation(model: Transformer, cache: KVCache, logits: torch.Tensor, decode_fn, eos_ids,
+                        cfg: SamplingConfig, t0: float) -> Generation:
+    """A Generation whose prompt is already in `cache` and whose next-token `logits` (1, 1, vocab) are
+    known (Block-Attention's assembled prefill). TTFT counts from `t0`."""
+    stats = GenerationStats(prompt_tokens=cache.length, prefill_ms=(time.perf_counter() - t0) * 1000)
+    return Generation(model, decode_fn, set(eos_ids), cfg, cache, logits, stats, t0)
+
+
 def start_generation(model: Transformer, prompt_ids: list[int], decode_fn, eos_ids, cfg: SamplingConfig,
                      cache: KVCache | None = None, prefix_len: int = 0, t0: float | None = None) -> Generation:
     """Prefill `prompt_ids` and return the Generation to iterate.

@@ -128,3 +128,16 @@ def test_real_model_reencoding_is_exact_up_to_32k(name):
         assert (moved[0] - want[0]).abs().max() <= 1e-5 * want[0].abs().max()
         # deeper layers also carry the model's float error through attention (same relative positions)
         assert (moved - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+def test_prefill_with_question_in_the_same_pass_equals_assemble_then_question(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
+    rt = BlockRuntime(lm.model, "fp")
+    ids, q = seg.ids(), seg.question
+    cache, stats = rt.assemble(seg, [None] * 3, mode="block")
+    two_pass = lm.model(torch.tensor([q]), torch.arange(len(ids) - len(q), len(ids)), cache)
+    cache1, one_pass, stats1 = rt.prefill(seg, [None] * 3, mode="block")
+    assert cache1.length == len(ids) and stats1.tokens_computed == stats.tokens_computed + len(q)
+    assert (one_pass - two_pass).abs().max().item() < 1e-4
+    _, exact, _ = rt.prefill(seg, [None] * 3, mode="block+recompute", recompute_ratio=1.0)
+    assert (exact[0, -1] - _full_logits(lm, ids)[-1]).abs().max().item() < 1e-3
