@@ -195,8 +195,11 @@ class LongDocQA:
         transaction. A failure in any step is that file's error result only."""
         t0 = time.perf_counter()
         prepared, first_of, twins = [], {}, []  # twins: (FileResult, sha) of in-batch duplicates
+        given = {}  # absolute path -> the path as the caller gave it (reports use the latter)
         for p in paths:
             x = self._prepare(Path(p))
+            if not isinstance(x, FileResult):
+                given[x[0].path] = str(p)
             if not isinstance(x, FileResult):
                 sha = x[0].sha256
                 if sha in first_of:  # same bytes twice in one batch: the first one is stored
@@ -223,14 +226,15 @@ class LongDocQA:
                 vec = vectors[row:row + len(chunks)] if vectors is not None else \
                     self.embedder.encode([c.text for c in chunks])
                 doc_id = self.store.add_document(doc, chunks, vec)
-                out.append(FileResult(doc.path, "replaced" if old else "added", len(chunks), doc_id, "", _ms(t0)))
+                out.append(FileResult(given[doc.path], "replaced" if old else "added", len(chunks), doc_id, "",
+                                      _ms(t0)))
             except Exception as e:  # one bad file never stops the rest
                 log.exception("ingest failed for %s", doc.path)
-                out.append(FileResult(doc.path, "error", reason=f"{type(e).__name__}: {e}", ms=_ms(t0)))
+                out.append(FileResult(given[doc.path], "error", reason=f"{type(e).__name__}: {e}", ms=_ms(t0)))
             row += len(chunks)
         stored = {r.path: r.doc_id for r in out if r.status in ("added", "replaced")}
         for r, sha in twins:  # in-batch duplicates point at the stored copy
-            r.doc_id = stored.get(first_of[sha])
+            r.doc_id = stored.get(given[first_of[sha]])
         return out
 
     def _prepare(self, path: Path):
@@ -337,6 +341,7 @@ class LongDocQA:
         """
         _check_question(question, top_k, retriever)
         _check_attention(attention, recompute_ratio)
+        self.warm_up()  # model loading is not part of a question's timings
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
@@ -358,8 +363,14 @@ class LongDocQA:
             raise ValueError("passages is empty: give at least one passage")
         _check_attention(attention, recompute_ratio)
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
+        self.llm  # noqa: B018  (load before timing)
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
                                    {"top_k": len(passages), "retriever": "given"}, time.perf_counter()).result()
+
+    def warm_up(self) -> None:
+        """Load the embedding model and the LLM now (otherwise the first question pays for it)."""
+        self.embedder.model  # noqa: B018
+        self.llm  # noqa: B018
 
     @property
     def block_runtime(self):

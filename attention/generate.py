@@ -85,6 +85,7 @@ class Generation:
         gen = torch.Generator().manual_seed(self.cfg.seed) if self.cfg.seed is not None else None
         logits = self.first_logits
         t_first = None
+        sent = 0  # characters of self.text already yielded
         for step in range(self.cfg.max_new_tokens):
             tok = sample(logits[0, -1], self.cfg, gen)
             if t_first is None:
@@ -95,13 +96,16 @@ class Generation:
                 break
             self.token_ids.append(tok)
             self.stats.generated_tokens += 1
-            full = self.decode_fn(self.token_ids)
+            full = self.decode_fn(self.token_ids).lstrip()
             cut = _first_stop(full, self.cfg.stop_strings)
             if cut is not None:
                 full = full[:cut]
-            delta, self.text = full[len(self.text):], full
-            if delta:
-                yield tok, delta
+            self.text = full
+            # hold back a tail that may be the start of a stop string ("\nQues" before "tion:")
+            safe = len(full) if cut is not None else len(full) - _stop_prefix_len(full, self.cfg.stop_strings)
+            if safe > sent:
+                yield tok, full[sent:safe]
+                sent = safe
             if cut is not None:
                 self.stats.stop_reason = "stop_string"
                 break
@@ -110,8 +114,21 @@ class Generation:
                 break
             pos = torch.tensor([self.cache.next_position()])
             logits = self.model(torch.tensor([[tok]]), pos, self.cache)
+        if len(self.text) > sent:  # ended by EOS or the length cap: the held-back tail is answer text
+            yield (self.token_ids[-1] if self.token_ids else -1), self.text[sent:]
         if t_first is not None:
             self.stats.decode_ms = (time.perf_counter() - t_first) * 1000
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -154,9 +154,10 @@ def test_store_survives_a_crash_mid_ingest(tmp_path, tiny_model_dir, where):
 def test_real_gemma_answers_a_sample_question(tmp_path):
     qa = LongDocQA(store=tmp_path / "store")
     qa.ingest([SAMPLE])
-    ans = qa.ask("How much does the SL-30 Pro model cost?", top_k=3)
-    assert "8,450" in ans.text
-    assert ans.citations and ans.citations[0].path.endswith("product_page.html")
+    ans = qa.ask("According to service bulletin SB-2024-07, to what torque must each fan hub bolt be tightened?",
+                 top_k=5)
+    assert "18 Nm" in ans.text
+    assert any(c.path.endswith("service_bulletin.pdf") and c.page == 2 for c in ans.citations)
 
 
 def test_block_modes_reuse_stored_kv_and_match_full_at_ratio_one(tiny_qa, tmp_path):

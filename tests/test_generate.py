@@ -36,3 +36,34 @@ def test_seeded_generation_is_deterministic_and_stops(tiny_model_dir):
     c, _ = run(cfg, eos=[first])  # the first sampled token is an EOS id: nothing is generated
     assert c.token_ids == [] and c.stats.stop_reason == "eos"
     assert a.stats.ttft_ms > 0 and a.stats.prompt_tokens == len(ids)
+
+
+def test_stream_never_shows_part_of_a_stop_string():
+    from ldqa.attention.generate import Generation, GenerationStats
+
+    pieces = ["  18", " Nm", "\n", "Ques", "tion", ":", " more"]
+    vocab = {i: p for i, p in enumerate(pieces)}
+
+    class FakeModel:  # emits token i at step i
+        def __call__(self, tokens, positions, cache):
+            step = int(positions[0]) + 1
+            out = torch.full((1, 1, len(pieces)), -1e9)
+            out[0, 0, min(step, len(pieces) - 1)] = 0.0
+            return out
+
+    class FakeCache:
+        n = 0
+
+        def next_position(self):
+            self.n += 1
+            return self.n - 1
+
+    first = torch.full((1, 1, len(pieces)), -1e9)
+    first[0, 0, 0] = 0.0
+    gen = Generation(FakeModel(), lambda ids: "".join(vocab[i] for i in ids), set(),
+                     SamplingConfig(max_new_tokens=10, stop_strings=("\nQuestion:",)), FakeCache(), first,
+                     GenerationStats(), 0.0)
+    out = [d for _, d in gen]
+    assert "".join(out) == "18 Nm" == gen.text
+    assert not any("\n" in d for d in out)
+    assert gen.stats.stop_reason == "stop_string"
