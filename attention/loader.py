@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ldqa.attention.config import ModelConfig, UnsupportedModelError
+from ldqa.attention.config import ModelConfig
 from ldqa.attention.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -147,18 +147,22 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) ->
 
 
 def _load(name: str, dtype: torch.dtype) -> LoadedModel:
+    hf_dir, fp = _source(name)
+    return _build(name, hf_dir, fp, dtype)
+
+
+def _source(name: str) -> tuple[Path, str]:
+    """(Hugging Face directory, fingerprint) behind a packaged name, a .gguf file or a HF directory.
+    GGUF sources are converted once into the cache. Raises ModelLoadError when nothing matches."""
     p = Path(name).expanduser()
     if name in PACKAGED_MODELS:
-        gguf = resolve_gguf(name)
-        hf_dir, fp = _ensure_gguf_cache(gguf)
-    elif p.suffix == ".gguf" and p.is_file():
-        hf_dir, fp = _ensure_gguf_cache(p)
-    elif p.is_dir() and (p / "config.json").exists():
-        hf_dir, fp = p, _dir_fingerprint(p)
-    else:
-        raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
-                             "a .gguf file, or a directory with config.json and *.safetensors")
-    return _build(name, Path(hf_dir), fp, dtype)
+        return _ensure_gguf_cache(resolve_gguf(name))
+    if p.suffix == ".gguf" and p.is_file():
+        return _ensure_gguf_cache(p)
+    if p.is_dir() and (p / "config.json").exists():
+        return p, _dir_fingerprint(p)
+    raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
+                         "a .gguf file, or a directory with config.json and *.safetensors")
 
 
 def _dir_fingerprint(d: Path) -> str:
@@ -231,10 +235,7 @@ def _ensure_gguf_cache(gguf: Path) -> tuple[Path, str]:
         if target.exists():  # a half-written earlier attempt
             shutil.rmtree(target)
         os.replace(tmp, target)
-    except UnsupportedModelError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except Exception:
+    except BaseException:  # nothing half-written is left in the cache
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target, sha
@@ -252,16 +253,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Tokenizer:
             if n == name:
                 return lm.tokenizer
         if name not in _TOKENIZERS:
-            p = Path(name).expanduser()
-            if name in PACKAGED_MODELS:
-                hf_dir, _ = _ensure_gguf_cache(resolve_gguf(name))
-            elif p.suffix == ".gguf" and p.is_file():
-                hf_dir, _ = _ensure_gguf_cache(p)
-            elif p.is_dir() and (p / "config.json").exists():
-                hf_dir = p
-            else:
-                raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
-                                     "a .gguf file, or a directory with config.json and *.safetensors")
+            hf_dir, _ = _source(name)
             cfg = json.loads((Path(hf_dir) / "config.json").read_text())
             eos = cfg.get("eos_token_id")
             eos = [eos] if isinstance(eos, int) else list(eos or [])

@@ -22,7 +22,6 @@ import resource
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from ldqa.eval.metrics import best_subspan_em
