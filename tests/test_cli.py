@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 SAMPLE = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
 
