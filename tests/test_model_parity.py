@@ -89,3 +89,20 @@ def test_special_token_text_is_plain_text(small_tokenizer):
     special = set(tok.hf.all_special_ids)
     assert not special & set(ids)
     assert "<|im_start|>" in tok.decode(ids)
+
+
+def test_windowed_attention_equals_masked_attention():
+    from ldqa.attention.model import attention_mask, windowed_attention
+    from ldqa.kernels.dispatch import attention
+
+    g = torch.Generator().manual_seed(0)
+    k_pos = torch.arange(300)
+    # queries: a dense run, then scattered singles (like Block-Attention headers), then a tail run
+    q_pos = torch.cat([torch.arange(5, 60), torch.tensor([90, 91, 150, 220, 221, 222]), torch.arange(260, 300)])
+    q = torch.randn(1, 4, len(q_pos), 32, generator=g)
+    k = torch.randn(1, 2, 300, 32, generator=g)
+    v = torch.randn(1, 2, 300, 32, generator=g)
+    for window in (1, 7, 32, 512):
+        ref = attention(q, k, v, mask=attention_mask(q_pos, k_pos, window), scale=0.2)
+        out = windowed_attention(q, k, v, q_pos, k_pos, window, 0.2, max_queries=16)
+        assert torch.allclose(out, ref, atol=1e-5)
