@@ -71,7 +71,28 @@ def _ascending(pos: torch.Tensor) -> bool:
     return pos.numel() < 2 or bool((pos[1:] > pos[:-1]).all())
 
 
-def windowed_attention(q, k, v, q_pos, k_pos, window: int, scale: float, max_queries: int = 512):
+def window_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, max_queries: int = 512) -> list:
+    """Query groups of `windowed_attention`: (q_start, q_end, k_lo, k_hi, mask or None) per group.
+
+    Depends only on positions, so one forward pass computes it once for all its sliding layers.
+    """
+    pos = q_pos.tolist()
+    starts = [0]
+    for i in range(1, len(pos)):
+        if pos[i] - pos[starts[-1]] >= window or i - starts[-1] >= max_queries:
+            starts.append(i)
+    plan = []
+    for a, b_ in zip(starts, starts[1:] + [len(pos)]):
+        qp = q_pos[a:b_]
+        lo = int(torch.searchsorted(k_pos, qp[0] - window + 1))
+        hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
+        m = attention_mask(qp, k_pos[lo:hi], window)
+        plan.append((a, b_, lo, hi, None if bool(m.all()) else m))
+    return plan
+
+
+def windowed_attention(q, k, v, q_pos, k_pos, window: int, scale: float, max_queries: int = 512,
+                       plan: list | None = None):
     """Sliding-window attention that reads, for each group of queries, only the keys inside the group's
     windows. Exact (same result as masking the whole key range).
 
@@ -79,23 +100,13 @@ def windowed_attention(q, k, v, q_pos, k_pos, window: int, scale: float, max_que
     (L,). Queries are grouped while the group's positions span less than `window` (and at most
     `max_queries`); a group at positions [p0, p1] reads the keys with positions in [p0 - window + 1, p1].
     Example, window 4, queries at 10, 11, 30: groups {10, 11} -> keys 7..11, {30} -> keys 27..30.
+    plan: a precomputed `window_plan` for these positions (else computed here).
     A prefill of n tokens then costs about n * 2 * window key reads per layer instead of n^2 / 2; fresh
     tokens scattered through a reused Block-Attention cache read a few windows instead of everything.
     """
-    n = q.shape[2]
-    starts = [0]
-    for i in range(1, n):
-        if int(q_pos[i]) - int(q_pos[starts[-1]]) >= window or i - starts[-1] >= max_queries:
-            starts.append(i)
-    bounds = starts + [n]
     outs = []
-    for a, b_ in zip(bounds[:-1], bounds[1:]):
-        qp = q_pos[a:b_]
-        lo = int(torch.searchsorted(k_pos, qp[0] - window + 1))
-        hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
-        m = attention_mask(qp, k_pos[lo:hi], window)
-        outs.append(dispatch.attention(q[:, :, a:b_], k[:, :, lo:hi], v[:, :, lo:hi],
-                                       mask=None if bool(m.all()) else m, scale=scale))
+    for a, b_, lo, hi, m in plan or window_plan(q_pos, k_pos, window, max_queries):
+        outs.append(dispatch.attention(q[:, :, a:b_], k[:, :, lo:hi], v[:, :, lo:hi], mask=m, scale=scale))
     return torch.cat(outs, dim=2)  # (b, h, n, d)
 
 
@@ -135,7 +146,10 @@ class Attention(nn.Module):
         kind = self.cfg.layer_types[self.layer]
         if kind == "sliding" and q.shape[2] > 16 and _ascending(positions) and _ascending(k_pos):
             # many queries: visit only the keys inside their windows
-            out = windowed_attention(q, k, v, positions, k_pos, self.cfg.sliding_window, self.cfg.attn_scale)
+            if "window_plan" not in masks:  # shared by every sliding layer of this forward pass
+                masks["window_plan"] = window_plan(positions, k_pos, self.cfg.sliding_window)
+            out = windowed_attention(q, k, v, positions, k_pos, self.cfg.sliding_window, self.cfg.attn_scale,
+                                     plan=masks["window_plan"])
             b, h, n, d = out.shape
             return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
         if kind not in masks:
