@@ -23,7 +23,7 @@ from ldqa.app.prompt import STOP_STRINGS, build_prompt
 log = logging.getLogger(__name__)
 
 RETRIEVERS = ("hybrid", "dense", "bm25")
-ATTENTION_MODES = ("full", "block", "block+recompute")
+ATTENTION_MODES = ("full", "block", "block+recompute", "retrieval")
 
 
 @dataclass
@@ -323,49 +323,60 @@ class LongDocQA:
         return self.retriever.search(question, top_k=top_k, mode=retriever)
 
     def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
-            max_new_tokens: int | None = None, recompute_ratio: float | None = None) -> Answer:
+            max_new_tokens: int | None = None, recompute_ratio: float | None = None, **retrieval) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
-        return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio).result()
+        return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio,
+                           **retrieval).result()
 
     def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
-               max_new_tokens: int | None = None, recompute_ratio: float | None = None) -> AnswerStream:
+               max_new_tokens: int | None = None, recompute_ratio: float | None = None,
+               **retrieval) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
         attention: "full" (exact attention over the whole prompt), "block" (each passage's KV states
         computed once, stored and reused, re-positioned by RoPE re-encoding; only the question and the
         passage headers are computed fresh) or "block+recompute" (block, plus CacheBlend-style
-        recomputation of a `recompute_ratio` fraction of each passage's tokens; default 0.15).
-        Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode),
+        recomputation of a `recompute_ratio` fraction of each passage's tokens; default 0.15) or
+        "retrieval" (exact prefill, then each decode step of a global-attention layer attends to the sink,
+        the recent window and the top keys an ANN index over the cached keys returns: RetrievalAttention;
+        keyword settings `top_k_keys` (an int, or "all" for exact attention), `window`, `sink`, `index`,
+        `scan_fraction` of `ldqa.attention.retrieval_attention.RetrievalConfig`).
+        Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting),
         EmptyCollectionError (nothing ingested yet).
         """
         _check_question(question, top_k, retriever)
         _check_attention(attention, recompute_ratio)
+        rcfg = _retrieval_config(attention, retrieval)
         self.warm_up()  # model loading is not part of a question's timings
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
         settings = {"top_k": top_k, "retriever": retriever}
+        settings["retrieval_config"] = rcfg
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
                                    retrieval_ms, settings, t0)
 
     def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
-               recompute_ratio: float | None = None) -> Answer:
+               recompute_ratio: float | None = None, **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
 
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
         `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
-        passages without a chunk_id are stored but not tied to a document.
+        passages without a chunk_id are stored but not tied to a document. `attention` and the retrieval
+        settings as in `stream`.
         """
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question is empty: ask something")
         if not passages:
             raise ValueError("passages is empty: give at least one passage")
         _check_attention(attention, recompute_ratio)
+        rcfg = _retrieval_config(attention, retrieval)
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
+        settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
-                                   {"top_k": len(passages), "retriever": "given"}, time.perf_counter()).result()
+                                   settings, time.perf_counter()).result()
 
     def warm_up(self) -> None:
         """Load the embedding model and the LLM now (otherwise the first question pays for it)."""
@@ -386,16 +397,19 @@ class LongDocQA:
 
     def _answer_stream(self, question, passages, attention, max_new, ratio, retrieval_ms, settings, t0):
         settings = {**settings, "attention": attention, "model": self.model_name}
+        rcfg = settings.pop("retrieval_config", None)
+        if rcfg is not None:
+            settings["retrieval"] = asdict(rcfg)
         if attention == "block+recompute":
             from ldqa.attention.block_attention import DEFAULT_RECOMPUTE_RATIO
 
             settings["recompute_ratio"] = DEFAULT_RECOMPUTE_RATIO if ratio is None else ratio
         stream = AnswerStream(iter(()))
         stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings,
-                                        max_new or self.max_new_tokens, t0)
+                                        max_new or self.max_new_tokens, t0, rcfg)
         return stream
 
-    def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0):
+    def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0, rcfg=None):
         from ldqa.attention.generate import SamplingConfig, continue_generation, start_generation
 
         llm = self.llm
@@ -405,13 +419,20 @@ class LongDocQA:
         block_stats = None
         with self._generate_lock:
             t_start = time.perf_counter()
-            if mode != "full" and not self.block_runtime.enabled:
+            if mode.startswith("block") and not self.block_runtime.enabled:
                 settings["attention_used"] = "full"
                 settings["fallback_reason"] = self.block_runtime.disabled_reason
                 mode = "full"
-            if mode == "full":
-                gen = start_generation(llm.model, prompt.ids(), llm.tokenizer.decode, llm.tokenizer.eos_ids, cfg,
-                                       t0=t_start)
+            policy = None
+            if mode in ("full", "retrieval"):
+                ids = prompt.ids()
+                cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
+                if mode == "retrieval":
+                    from ldqa.attention.retrieval_attention import RetrievalKV
+
+                    cache.policy = policy = RetrievalKV(rcfg, llm.model.cfg.attn_scale)
+                gen = start_generation(llm.model, ids, llm.tokenizer.decode, llm.tokenizer.eos_ids, cfg,
+                                       cache=cache, t0=t_start)
             else:
                 cache, logits, block_stats = self.block_runtime.prefill(
                     prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
@@ -425,6 +446,8 @@ class LongDocQA:
         timings = {"retrieval_ms": retrieval_ms, "prefill_ms": s.prefill_ms, "ttft_ms": s.ttft_ms,
                    "decode_ms": s.decode_ms, "tokens_per_s": s.tokens_per_s, "prompt_tokens": s.prompt_tokens,
                    "generated_tokens": s.generated_tokens, "stop_reason": s.stop_reason, "total_ms": _ms(t0)}
+        if policy is not None:
+            timings |= policy.stats.to_dict()
         if block_stats is not None:
             timings |= block_stats.to_dict()
         else:
@@ -457,6 +480,27 @@ def _check_attention(attention, ratio) -> None:
         raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
     if ratio is not None and not 0.0 <= ratio <= 1.0:
         raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio}")
+
+
+def _retrieval_config(attention: str, settings: dict):
+    """The RetrievalConfig of `attention="retrieval"` from keyword settings (None values = defaults).
+
+    Raises ValueError for settings given with another attention mode or unknown/out-of-range settings.
+    """
+    from ldqa.attention.retrieval_attention import RetrievalConfig
+
+    settings = {k: v for k, v in settings.items() if v is not None}  # None = not given: the default
+    if attention != "retrieval":
+        if settings:
+            raise ValueError(f"{', '.join(sorted(settings))} only apply to attention='retrieval'")
+        return None
+    known = set(RetrievalConfig.__dataclass_fields__)
+    bad = sorted(set(settings) - known)
+    if bad:
+        raise ValueError(f"unknown retrieval setting(s) {', '.join(bad)}: use {', '.join(sorted(known))}")
+    if settings.get("top_k_keys") == "all":  # every indexed key: exact attention through the same path
+        settings["top_k_keys"] = None
+    return RetrievalConfig(**settings)
 
 
 def _check_question(question, top_k, retriever) -> None:

@@ -46,14 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("question")
         p.add_argument("--top-k", type=int, default=5, help="passages given to the model (default 5)")
         p.add_argument("--retriever", choices=["hybrid", "dense", "bm25"], default="hybrid")
-        p.add_argument("--attention", choices=["full", "block", "block+recompute"], default="full",
+        p.add_argument("--attention", choices=["full", "block", "block+recompute", "retrieval"], default="full",
                        help="full: exact attention over the prompt; block: reuse stored per-passage KV states "
-                            "(RoPE re-encoded); block+recompute: block plus recomputing a fraction of tokens")
+                            "(RoPE re-encoded); block+recompute: block plus recomputing a fraction of tokens; "
+                            "retrieval: exact prefill, then decode attends to sink + recent window + top-k keys "
+                            "from an ANN index over the cached keys (RetrievalAttention)")
+        p.add_argument("--top-k-keys", type=int, default=None,
+                       help="retrieval: keys retrieved per KV head per decode step (default 100)")
+        p.add_argument("--window", type=int, default=None, help="retrieval: recent-window tokens (default 128)")
+        p.add_argument("--sink", type=int, default=None, help="retrieval: attention-sink tokens (default 4)")
         p.add_argument("--recompute-ratio", type=float, default=None,
                        help="fraction of each passage's tokens recomputed in block+recompute (default 0.15)")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--json", action="store_true", help="print the whole Answer as one JSON object")
     return ap
+
+
+def _retrieval_kw(args) -> dict:
+    """--top-k-keys/--window/--sink as `ask` keywords (only those given)."""
+    kw = {"top_k_keys": args.top_k_keys, "window": args.window, "sink": args.sink}
+    return {k: v for k, v in kw.items() if v is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +107,8 @@ def cmd_ingest(args) -> int:
 def cmd_ask(args) -> int:
     qa = _qa(args)
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
-              max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio)
+              max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
+              **_retrieval_kw(args))
     if args.json:
         print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
         return 0
@@ -119,6 +132,11 @@ def print_answer_details(ans) -> None:
     reuse = f" | {t['tokens_reused']} tokens reused from the KV store" if t.get("tokens_reused") else ""
     print(f"  retrieval {t['retrieval_ms']:.0f} ms | TTFT {t['ttft_ms']:.0f} ms ({t['prompt_tokens']} prompt tokens)"
           f" | {t['tokens_per_s']:.1f} tokens/s | total {t['total_ms'] / 1000:.1f} s{reuse}")
+    if t.get("retrieval_steps") or t.get("retrieval_dense_steps"):
+        print(f"  retrieval attention: {t['keys_touched_per_step']:.0f} keys touched per step and KV head "
+              f"({100 * t['keys_touched_fraction']:.1f}% of the context), index built in "
+              f"{t['index_build_ms']:.0f} ms ({t['index_kind']})" if t["retrieval_steps"] else
+              "  retrieval attention: context shorter than min_indexed keys, attended to everything")
 
 
 def cmd_demo(args) -> int:
@@ -139,7 +157,8 @@ def cmd_demo(args) -> int:
     for q in questions:
         print(f"\n== Q: {q['question']}")
         ans = qa.ask(q["question"], top_k=args.top_k, retriever=args.retriever, attention=args.attention,
-                     max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio)
+                     max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
+                     **_retrieval_kw(args))
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")

@@ -25,7 +25,8 @@ class KVCache:
         self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._pos = torch.zeros(capacity, dtype=torch.long, device=device)
-        self._pending = 0  # tokens appended by the forward pass in progress (committed by `advance`)
+        self._pending = 0
+        self.policy = None  # optional decode-attention policy (RetrievalKV), consulted by global layers  # tokens appended by the forward pass in progress (committed by `advance`)
 
     @property
     def capacity(self) -> int:

@@ -144,6 +144,24 @@ class Attention(nn.Module):
         else:
             k_pos = positions
         kind = self.cfg.layer_types[self.layer]
+        policy = getattr(cache, "policy", None)
+        if policy is not None and kind == "full":  # retrieval attention (RetrievalKV) on global layers
+            if q.shape[2] > 1:
+                policy.observe_prefill(self.layer, q)
+            elif slots is None:
+                out = policy.attend(self.layer, q, k, v)  # (b, h, 1, d)
+                b, h, n, d = out.shape
+                return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
+        if kind == "sliding" and q.shape[2] <= 16 and _ascending(k_pos):
+            # decode: only the last `window` positions can be seen; read just those keys (exact)
+            if "sliding_decode" not in masks:
+                lo = int(torch.searchsorted(k_pos, positions.min() - self.cfg.sliding_window + 1))
+                m = attention_mask(positions, k_pos[lo:], self.cfg.sliding_window)
+                masks["sliding_decode"] = (lo, None if bool(m.all()) else m)
+            lo, m = masks["sliding_decode"]
+            out = dispatch.attention(q, k[:, :, lo:], v[:, :, lo:], mask=m, scale=self.cfg.attn_scale)
+            b, h, n, d = out.shape
+            return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
         if kind == "sliding" and q.shape[2] > 16 and _ascending(positions) and _ascending(k_pos):
             # many queries: visit only the keys inside their windows
             if "window_plan" not in masks:  # shared by every sliding layer of this forward pass

@@ -124,11 +124,43 @@ def decode_attention(
     kv, _ = common.check_decode_inputs(q, k_cache, v_cache, kv_len, indices, sink, window)
     b, hq, n_q, d = q.shape
     hkv, cache_len = k_cache.shape[1], k_cache.shape[2]
+    if indices is not None:
+        return _sparse_decode(q, k_cache, v_cache, kv, causal, indices, sink, window, scale)
     mask = common.decode_mask(
         kv, n_q, cache_len, hkv, causal=causal, indices=indices, sink=sink, window=window
     )  # (b, hkv, n_q, cache_len)
     qf = q.float().reshape(b, hkv, hq // hkv, n_q, d)  # (b, hkv, g, n_q, d)
     o, l = _masked_attention(qf, k_cache.float(), v_cache.float(), mask[:, :, None], common.resolve_scale(scale, d))
+    return o.reshape(b, hq, n_q, d).to(q.dtype), l.reshape(b, hq, n_q)
+
+
+def _sparse_decode(q, k_cache, v_cache, kv, causal, indices, sink, window, scale):
+    """`decode_attention` with indices, reading only the selected slots (sink ∪ indices ∪ recent window):
+    cost O(selected), not O(cache_len), which is what makes retrieval attention cheaper on the CPU.
+    Same semantics as the masked form (`common.decode_mask`): duplicates count once, padding (-1) and
+    slots >= kv_len are ignored, causal per query."""
+    b, hq, n_q, d = q.shape
+    hkv, cache_len = k_cache.shape[1], k_cache.shape[2]
+    dev = q.device
+    kvl = kv.long()[:, None, None]  # (b, 1, 1)
+    zones = [indices.long().to(dev)]  # (b, hkv, n_idx)
+    if sink:
+        zones.append(torch.arange(sink, device=dev).expand(b, hkv, sink))
+    if window:
+        w = kvl - window + torch.arange(window, device=dev)  # (b, 1, window)
+        zones.append(w.expand(b, hkv, window))
+    idx = torch.cat(zones, dim=2).sort(dim=2).values  # (b, hkv, m)
+    ok = (idx >= 0) & (idx < kvl)  # (b, hkv, m)
+    ok[:, :, 1:] &= idx[:, :, 1:] != idx[:, :, :-1]  # duplicates count once
+    safe = idx.clamp(0, cache_len - 1)[..., None].expand(-1, -1, -1, d)  # (b, hkv, m, d)
+    k_sel = torch.gather(k_cache, 2, safe).float()  # (b, hkv, m, d)
+    v_sel = torch.gather(v_cache, 2, safe).float()  # (b, hkv, m, d)
+    mask = ok[:, :, None, :].expand(b, hkv, n_q, idx.shape[2])  # (b, hkv, n_q, m)
+    if causal:
+        last = kvl[..., None] - n_q + torch.arange(n_q, device=dev)[None, None, :, None]  # (b, 1, n_q, 1)
+        mask = mask & (idx[:, :, None, :] <= last)
+    qf = q.float().reshape(b, hkv, hq // hkv, n_q, d)  # (b, hkv, g, n_q, d)
+    o, l = _masked_attention(qf, k_sel, v_sel, mask[:, :, None], common.resolve_scale(scale, d))
     return o.reshape(b, hq, n_q, d).to(q.dtype), l.reshape(b, hq, n_q)
 
 

@@ -3,6 +3,7 @@ slow, the real Gemma 3 270M."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -198,3 +199,27 @@ def test_same_bytes_twice_in_one_batch_is_stored_once(tiny_qa, tmp_path):
     assert [f.status for f in report.files] == ["added", "skipped"]
     assert report.files[1].doc_id == report.files[0].doc_id
     assert tiny_qa.store.n_documents() == 1
+
+
+def test_retrieval_attention_mode_matches_full_with_all_keys_and_reports_keys_touched(tiny_qa, tmp_path):
+    tiny_qa.ingest([_copy_sample(tmp_path / "docs")])
+    q = "According to service bulletin SB-2024-07, what torque for each fan hub bolt?"
+    full = tiny_qa.ask(q, top_k=4)
+    every = tiny_qa.ask(q, top_k=4, attention="retrieval", top_k_keys="all", window=16, min_indexed=16)
+    assert every.text == full.text and every.timings["retrieval_steps"] > 0
+    some = tiny_qa.ask(q, top_k=4, attention="retrieval", top_k_keys=32, window=16, sink=4, min_indexed=16,
+                       index="keys", scan_fraction=0.1)
+    t = some.timings
+    assert t["index_builds"] >= 1 and t["index_build_ms"] > 0
+    steps = t["retrieval_steps"]  # one global layer: one per decode step; the recent zone grows by one a step
+    assert steps == t["generated_tokens"] - 1 and steps < 16
+    assert t["keys_attended_per_step"] == 4 + 32 + 16 + (steps - 1) / 2
+    assert 0 < t["keys_touched_fraction"] < 0.3  # 64 centroids + ~10% of the keys + the static zones
+    assert some.settings["retrieval"]["top_k_keys"] == 32
+    json.dumps(some.to_dict())  # settings stay JSON-serializable
+    with pytest.raises(ValueError, match="only apply"):
+        tiny_qa.ask(q, attention="full", top_k_keys=8)
+    with pytest.raises(ValueError, match="unknown retrieval setting"):
+        tiny_qa.ask(q, attention="retrieval", topk=8)
+    with pytest.raises(ValueError, match="window"):
+        tiny_qa.ask(q, attention="retrieval", window=0)

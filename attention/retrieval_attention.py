@@ -1,0 +1,176 @@
+"""Retrieval attention for decoding over long contexts (issue 5).
+
+Source: RetrievalAttention (Liu et al. 2024), sections 3-4: each decode step attends exactly to a static
+set (the attention sink and the recent window) plus the top-k keys that a vector index over the cached
+keys returns for the step's query; the two partial attentions are merged by their log-sum-exp. Related:
+Quest (query-aware page selection), DuoAttention (local layers keep only a window).
+
+Zones of the cache of one global-attention layer, slots in order (L = cached tokens, E = index end):
+
+    [0, sink)        sink zone, always attended
+    [sink, E)        indexed zone: only the top_k_keys slots the KeyIndex returns are attended
+    [E, L)           recent zone, always attended (E = L - window when the index is built; tokens
+                     decoded afterwards join this zone until it is twice the window, then the index
+                     is rebuilt over the grown context)
+
+Worked example, sink 2, window 3, L = 10 at build: E = 7; zones {0, 1} | {2..6} indexed | {7, 8, 9}.
+With top_k_keys 2 and the index returning {3, 5}, a query attends to {0, 1, 3, 5, 7, 8, 9}. The two
+parts (sink + recent, retrieved) are disjoint, so merging them by LSE is exact attention over the union.
+
+Only layers with global attention use it (every layer of SmolLM2; Gemma 3's global layers, whose local
+layers keep their sliding window). The policy (what is indexed, what is retrieved) is `RetrievalKV`; the
+attention math goes through `ldqa.kernels.dispatch` (decode_attention + merge_lse).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ldqa.indexes.key_index import KeyIndex, KeyIndexConfig
+from ldqa.kernels import dispatch
+
+
+@dataclass
+class RetrievalConfig:
+    """Settings of retrieval attention.
+
+    top_k_keys: keys retrieved per KV head per step (None = every indexed key: exact attention, the
+        reference path); window: recent-zone size (tokens); sink: sink-zone size (tokens);
+    index: "aware" (query-linked + IVF, attention-aware) | "keys" (key-only IVF) | "exact" (full scan);
+    scan_fraction, cluster_size: the index's search budget and cluster size (`KeyIndexConfig`);
+    min_indexed: with fewer indexable keys than this the layer attends to everything (no index): below a
+        few thousand keys an index touches about as many vectors as exact attention reads.
+    Raises ValueError on out-of-range settings.
+    """
+
+    top_k_keys: int | None = 100
+    window: int = 128
+    sink: int = 4
+    index: str = "aware"
+    scan_fraction: float = 0.02
+    cluster_size: int = 64
+    min_indexed: int = 2048
+
+    def __post_init__(self):
+        if self.top_k_keys is not None and self.top_k_keys < 1:
+            raise ValueError(f"top_k_keys must be >= 1 or None (all keys), got {self.top_k_keys}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 token, got {self.window}")
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0 tokens, got {self.sink}")
+        if self.min_indexed < 1:
+            raise ValueError(f"min_indexed must be >= 1, got {self.min_indexed}")
+        self.index_config()  # validates index / scan_fraction / cluster_size
+
+    def index_config(self) -> KeyIndexConfig:
+        return KeyIndexConfig(kind=self.index, scan_fraction=self.scan_fraction, cluster_size=self.cluster_size)
+
+
+@dataclass
+class RetrievalStats:
+    """Counters of one generation. Per (global layer, decode step, KV head): keys attended (sink +
+    recent + retrieved), keys touched (sink + recent + vectors the search touched), context length."""
+
+    steps: int = 0  # (layer, step) pairs served by the index
+    dense_steps: int = 0  # (layer, step) pairs that attended to everything (context under min_indexed)
+    keys_attended: int = 0
+    keys_touched: int = 0
+    context_keys: int = 0
+    builds: int = 0
+    build_ms: float = 0.0
+    index_kind: str = ""
+
+    def to_dict(self) -> dict:
+        n = max(1, self.steps)
+        return {"retrieval_steps": self.steps, "retrieval_dense_steps": self.dense_steps,
+                "keys_attended_per_step": self.keys_attended / n, "keys_touched_per_step": self.keys_touched / n,
+                "keys_touched_fraction": self.keys_touched / max(1, self.context_keys),
+                "index_builds": self.builds, "index_build_ms": self.build_ms, "index_kind": self.index_kind}
+
+
+@dataclass
+class _LayerState:
+    index: KeyIndex | None = None
+    end: int = 0  # E: slots [sink, end) are indexed
+    stale: bool = True
+
+
+class RetrievalKV:
+    """The retrieval-attention policy of one sequence; attach it to a KVCache as `cache.policy`.
+
+    The model calls `observe_prefill(layer, q)` on every multi-token forward pass of a global layer
+    (it keeps the last queries: the index's view of the query distribution, and marks the index stale)
+    and `attend(layer, q, k, v)` on every single-token decode step of a global layer.
+    """
+
+    def __init__(self, cfg: RetrievalConfig, scale: float):
+        self.cfg, self.scale = cfg, scale
+        self.stats = RetrievalStats(index_kind=cfg.index)
+        self._layers: dict[int, _LayerState] = {}
+        self._queries: dict[int, torch.Tensor] = {}
+
+    def observe_prefill(self, layer: int, q: torch.Tensor) -> None:
+        """q: (1, q_heads, n, d) queries of a prefill pass; keeps the last `max_queries` of them."""
+        m = self.cfg.index_config().max_queries
+        self._queries[layer] = q[0, :, -m:].detach().float()  # (hq, m, d)
+        self._layers.setdefault(layer, _LayerState()).stale = True
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One decode step of one global layer.
+
+        q: (1, q_heads, 1, d), the new token's queries; k, v: (1, kv_heads, L, d), the layer's cache
+        including the new token. Returns the attention output (1, q_heads, 1, d).
+        """
+        L, hkv = k.shape[2], k.shape[1]
+        st = self._state(layer, k)
+        if st.index is None:
+            self.stats.dense_steps += 1
+            return dispatch.decode_attention(q, k, v, scale=self.scale)[0]
+        none = torch.full((1, hkv, 1), -1, dtype=torch.long)
+        steady = dispatch.decode_attention(q, k, v, indices=none, sink=self.cfg.sink, window=L - st.end,
+                                           scale=self.scale)
+        n_static = min(self.cfg.sink, st.end) + (L - st.end)
+        if self.cfg.top_k_keys is None:  # every indexed key: exact, through the same merge
+            idx = torch.arange(self.cfg.sink, st.end).expand(1, hkv, -1)
+            touched, found = st.end - self.cfg.sink, st.end - self.cfg.sink
+        else:
+            res = st.index.search(q[0, :, 0], self.cfg.top_k_keys)
+            idx = res.slots[None]  # (1, hkv, k)
+            touched, found = res.scanned / hkv, int((res.slots >= 0).sum()) / hkv
+        retrieved = dispatch.decode_attention(q, k, v, indices=idx, scale=self.scale)
+        out, _ = dispatch.merge_lse(*steady, *retrieved)
+        s = self.stats
+        s.steps += 1
+        s.keys_attended += n_static + found
+        s.keys_touched += n_static + touched
+        s.context_keys += L
+        return out
+
+    def _state(self, layer: int, k: torch.Tensor) -> _LayerState:
+        """The layer's index, (re)built when stale: after a prefill, after the cache was truncated below
+        the index end, or when the recent zone has grown past twice the window."""
+        st = self._layers.setdefault(layer, _LayerState())
+        L = k.shape[2]
+        if not st.stale and st.end <= L and L - st.end <= 2 * self.cfg.window:
+            return st
+        end = L - self.cfg.window
+        st.stale, st.end, st.index = False, max(end, 0), None
+        if end - self.cfg.sink < self.cfg.min_indexed:
+            st.end = L  # too short to index: everything is "recent" (dense in attend)
+            return st
+        t0 = time.perf_counter()
+        if self.cfg.top_k_keys is not None:
+            icfg = self.cfg.index_config()
+            queries = self._queries.get(layer)
+            if icfg.kind == "aware" and queries is None:  # no prefill seen (e.g. cache filled by extend)
+                icfg.kind = "keys"
+                self.stats.index_kind = "keys (no prefill queries)"
+            st.index = KeyIndex(k[0, :, self.cfg.sink:end], self.cfg.sink, icfg, self.scale, queries)
+        else:
+            st.index = True  # marker: exact path needs no structure
+        self.stats.builds += 1
+        self.stats.build_ms += (time.perf_counter() - t0) * 1000
+        return st

@@ -1,0 +1,139 @@
+"""Retrieval attention (issue 5): exactness with all keys, the zones and their LSE merge, index rebuilds,
+and the key indexes' recall."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ldqa.attention.loader import load_model
+from ldqa.attention.retrieval_attention import RetrievalConfig, RetrievalKV
+from ldqa.indexes.key_index import KeyIndex, KeyIndexConfig, exact_top_k, recall_at_k
+
+
+@pytest.fixture(params=["gemma3", "llama"])
+def lm(request, tiny_model_dir):
+    return load_model(str(tiny_model_dir(request.param)))
+
+
+def _decode_logits(lm, prompt, steps, policy=None):
+    """Prefill `prompt`, then feed `steps` fixed tokens one at a time; logits (1 + steps, vocab)."""
+    m = lm.model
+    cache = m.new_cache(capacity=len(prompt) + len(steps) + 4)
+    cache.policy = policy
+    out = [m(torch.tensor([prompt]), torch.arange(len(prompt)), cache)[0, -1]]
+    for t in steps:
+        out.append(m(torch.tensor([[t]]), torch.tensor([cache.next_position()]), cache)[0, -1])
+    return torch.stack(out), cache
+
+
+def _prompt(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(5, 4000, (n - 1,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("kind", ["aware", "keys", "exact"])
+def test_all_keys_equals_full_attention(lm, kind):
+    """top_k_keys = None (every key) goes through the sink/recent + retrieved merge and must equal full
+    attention; so must any index with top_k_keys >= the number of indexed keys."""
+    prompt, steps = _prompt(400), [11, 12, 13, 14, 15, 16]
+    full, _ = _decode_logits(lm, prompt, steps)
+    scale = lm.model.cfg.attn_scale
+    for top_k in (None, 10_000):
+        cfg = RetrievalConfig(top_k_keys=top_k, window=16, sink=4, index=kind, scan_fraction=1.0, min_indexed=8)
+        pol = RetrievalKV(cfg, scale)
+        got, _ = _decode_logits(lm, prompt, steps, pol)
+        torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
+        assert pol.stats.steps == len(steps) * lm.model.cfg.layer_types.count("full")
+
+
+def test_partial_retrieval_attends_exactly_to_sink_recent_and_retrieved():
+    """With a small top_k the output equals exact softmax attention over sink ∪ retrieved ∪ recent."""
+    torch.manual_seed(0)
+    hq, hkv, L, d, scale = 4, 2, 600, 32, 32 ** -0.5
+    k, v = torch.randn(1, hkv, L, d), torch.randn(1, hkv, L, d)
+    q = torch.randn(1, hq, 1, d)
+    cfg = RetrievalConfig(top_k_keys=20, window=16, sink=4, index="keys", scan_fraction=0.2, cluster_size=16)
+    pol = RetrievalKV(cfg, scale)
+    out = pol.attend(0, q, k, v)
+    st = pol._layers[0]
+    assert st.end == L - 16
+    slots = st.index.search(q[0, :, 0], 20).slots  # (hkv, 20), deterministic
+    for h in range(hkv):
+        sel = sorted(set(range(4)) | set(slots[h].tolist()) | set(range(L - 16, L)))
+        assert all(4 <= s < L - 16 for s in slots[h].tolist())  # retrieved zone is disjoint from the rest
+        for g in range(hq // hkv):
+            qh = q[0, h * (hq // hkv) + g, 0]
+            p = torch.softmax(k[0, h, sel] @ qh * scale, dim=0)
+            torch.testing.assert_close(out[0, h * (hq // hkv) + g, 0], p @ v[0, h, sel], atol=1e-5, rtol=0)
+    assert pol.stats.keys_attended == 4 + 16 + 20
+    assert 0 < pol.stats.keys_touched < L * hkv
+
+
+def test_index_rebuilt_after_growth_and_after_new_prefill(lm):
+    scale = lm.model.cfg.attn_scale
+    glob = lm.model.cfg.layer_types.index("full")
+    cfg = RetrievalConfig(top_k_keys=8, window=8, sink=2, index="aware", scan_fraction=0.5, cluster_size=8,
+                          min_indexed=16)
+    pol = RetrievalKV(cfg, scale)
+    prompt = _prompt(200)
+    _, cache = _decode_logits(lm, prompt, [7] * 20, pol)  # 20 decode steps: recent zone outgrows 2 x window
+    st = pol._layers[glob]
+    # built at L = 201 (end 193); the recent zone passes 2 x window at L = 210 (end 202) and 219 (end 211)
+    assert pol.stats.builds == 3 * lm.model.cfg.layer_types.count("full")
+    assert st.end == 211 and st.index.n == 211 - 2
+    # a new prefill into the same cache (follow-up text): the index is rebuilt over the new keys
+    m = lm.model
+    more = _prompt(120, seed=3)
+    m(torch.tensor([more]), torch.arange(cache.next_position(), cache.next_position() + 120), cache)
+    assert pol._layers[glob].stale
+    m(torch.tensor([[9]]), torch.tensor([cache.next_position()]), cache)
+    st = pol._layers[glob]
+    assert not st.stale and st.end == cache.length - 8
+    torch.testing.assert_close(st.index.keys, cache.keys(glob)[0, :, 2:st.end].float())
+    # truncate and prefill different tokens: the index holds the new keys, none of the old ones
+    cache.truncate(150)
+    other = _prompt(300, seed=7)
+    m(torch.tensor([other]), torch.arange(150, 450), cache)
+    m(torch.tensor([[9]]), torch.tensor([cache.next_position()]), cache)
+    st = pol._layers[glob]
+    assert st.end == cache.length - 8
+    torch.testing.assert_close(st.index.keys, cache.keys(glob)[0, :, 2:st.end].float())
+
+
+def test_exact_index_and_recall_on_clustered_keys():
+    """Keys in tight clusters, queries aimed at one cluster: the IVF finds the exact top-k; the exact
+    index is exact; recall_at_k counts overlaps."""
+    torch.manual_seed(1)
+    d, n_c, per = 16, 32, 40
+    centers = torch.randn(n_c, d) * 4
+    keys = (centers[:, None] + 0.05 * torch.randn(n_c, per, d)).reshape(1, -1, d)  # (1, n, d)
+    q = centers[5][None].repeat(2, 1) * 2  # (2 query heads, d), GQA group of 2
+    exact = exact_top_k(q, keys, 20, 1.0)
+    for kind in ("keys", "exact"):
+        idx = KeyIndex(keys, 0, KeyIndexConfig(kind=kind, cluster_size=per, scan_fraction=0.1), 1.0)
+        res = idx.search(q, 20)
+        assert recall_at_k(res.slots, exact) == 1.0
+    assert recall_at_k(torch.tensor([[1, 2, 3, -1]]), torch.tensor([[1, 2, 5, 6]])) == 0.5
+    with pytest.raises(ValueError, match="queries"):
+        KeyIndex(keys, 0, KeyIndexConfig(kind="aware"), 1.0)
+    with pytest.raises(ValueError, match="kind"):
+        KeyIndexConfig(kind="hnsw")
+    with pytest.raises(ValueError, match="top_k_keys"):
+        RetrievalConfig(top_k_keys=0)
+
+
+def test_aware_index_uses_query_links():
+    """Queries out of distribution for the keys: the top keys of each stored query are candidates even
+    when the IVF budget alone would miss them."""
+    torch.manual_seed(2)
+    d = 32
+    keys = torch.randn(1, 2000, d)
+    qs = torch.randn(1, 16, d) * 3  # (hq=1, m=16, d) stored prefill queries
+    cfg = KeyIndexConfig(kind="aware", cluster_size=50, scan_fraction=0.01, link_k=50, route=1)
+    idx = KeyIndex(keys, 0, cfg, 1.0, queries=qs)
+    q = qs[0, 3][None]  # a decode query equal to a stored one
+    res = idx.search(q, 20)
+    assert recall_at_k(res.slots, exact_top_k(q, keys, 20, 1.0)) == 1.0
+    plain = KeyIndex(keys, 0, KeyIndexConfig(kind="keys", cluster_size=50, scan_fraction=0.01), 1.0)
+    assert recall_at_k(plain.search(q, 20).slots, exact_top_k(q, keys, 20, 1.0)) < 1.0
