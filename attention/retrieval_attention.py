@@ -51,7 +51,7 @@ class RetrievalConfig:
     sink: int = 4
     index: str = "aware"
     scan_fraction: float = 0.02
-    cluster_size: int = 64
+    cluster_size: int = 128
     min_indexed: int = 2048
 
     def __post_init__(self):

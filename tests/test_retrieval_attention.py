@@ -53,7 +53,8 @@ def test_partial_retrieval_attends_exactly_to_sink_recent_and_retrieved():
     hq, hkv, L, d, scale = 4, 2, 600, 32, 32 ** -0.5
     k, v = torch.randn(1, hkv, L, d), torch.randn(1, hkv, L, d)
     q = torch.randn(1, hq, 1, d)
-    cfg = RetrievalConfig(top_k_keys=20, window=16, sink=4, index="keys", scan_fraction=0.2, cluster_size=16)
+    cfg = RetrievalConfig(top_k_keys=20, window=16, sink=4, index="keys", scan_fraction=0.2, cluster_size=16,
+                          min_indexed=16)
     pol = RetrievalKV(cfg, scale)
     out = pol.attend(0, q, k, v)
     st = pol._layers[0]
@@ -137,3 +138,38 @@ def test_aware_index_uses_query_links():
     assert recall_at_k(res.slots, exact_top_k(q, keys, 20, 1.0)) == 1.0
     plain = KeyIndex(keys, 0, KeyIndexConfig(kind="keys", cluster_size=50, scan_fraction=0.01), 1.0)
     assert recall_at_k(plain.search(q, 20).slots, exact_top_k(q, keys, 20, 1.0)) < 1.0
+
+
+@pytest.mark.slow
+def test_recall_on_real_gemma_queries_and_keys(shared_data):
+    """Real queries/keys: Gemma 3 270M, ~6K tokens of essays + a question, 8 greedy decode steps. The
+    attention-aware index reaches recall@100 >= 0.85 of the exact top-100 (group-summed softmax) on the
+    decode queries of every global layer, touching under 30% of the keys at this length (its query links
+    are a fixed ~1.3K vectors, about 4% at 32K); the key-only index at the same IVF budget falls far short
+    (RetrievalAttention's out-of-distribution finding)."""
+    from ldqa.eval.bench_retrieval import _Recorder, decode, essays, prefill
+    from ldqa.indexes.key_index import KeyIndex, KeyIndexConfig, exact_top_k, recall_at_k
+
+    llm = load_model("gemma3-270m")
+    tok, model = llm.tokenizer, llm.model
+    q_ids = tok.encode("\n\nQuestion: What does the author say is the best way to get startup ideas?\nAnswer:")
+    ids = [tok.bos_id] + tok.encode(essays(shared_data))[:6000] + q_ids
+    cache, first, queries = prefill(model, ids, 2048, extra=16)
+    scale = model.cfg.attn_scale
+    rec = _Recorder(RetrievalConfig(index="exact"), scale, dense=True)
+    decode(model, cache, first, 8, rec)
+    end = cache.length - 128
+    got = {}
+    for kind in ("aware", "keys"):
+        rs, touched = [], []
+        for layer, qs in rec.q.items():
+            keys = cache.keys(layer)[0, :, 4:end]  # (hkv, n, d)
+            idx = KeyIndex(keys, 4, KeyIndexConfig(kind=kind), scale, queries[layer][0] if kind == "aware" else None)
+            for q in qs:
+                res = idx.search(q, 100)
+                rs.append(recall_at_k(res.slots, exact_top_k(q, keys, 100, scale) + 4))
+                touched.append(res.scanned / keys.shape[1])
+        got[kind] = (sum(rs) / len(rs), sum(touched) / len(touched))
+    print(got)
+    assert got["aware"][0] >= 0.85 and got["aware"][1] < 0.3
+    assert got["keys"][0] < got["aware"][0] - 0.15
