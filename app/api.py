@@ -323,13 +323,14 @@ class LongDocQA:
         return self.retriever.search(question, top_k=top_k, mode=retriever)
 
     def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
-            max_new_tokens: int | None = None, recompute_ratio: float | None = None, **retrieval) -> Answer:
+            max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
+            **retrieval) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
-        return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio,
+        return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio, debias,
                            **retrieval).result()
 
     def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
-               max_new_tokens: int | None = None, recompute_ratio: float | None = None,
+               max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
                **retrieval) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
@@ -342,23 +343,26 @@ class LongDocQA:
         the recent window and the top keys an ANN index over the cached keys returns: RetrievalAttention;
         keyword settings `top_k_keys` (an int, or "all" for exact attention), `window`, `sink`, `index`,
         `scan_fraction` of `ldqa.attention.retrieval_attention.RetrievalConfig`).
+        debias: "none", "calibrate" (found-in-the-middle calibrated attention intervention),
+        "calibrate+reorder" (also move the most relevant passages to the best-attended slots) or "sort"
+        (attention sorting); see `ldqa.attention.debias` (not with attention="retrieval").
         Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting),
         EmptyCollectionError (nothing ingested yet).
         """
         _check_question(question, top_k, retriever)
         _check_attention(attention, recompute_ratio)
         rcfg = _retrieval_config(attention, retrieval)
+        _check_debias(debias, attention)
         self.warm_up()  # model loading is not part of a question's timings
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
-        settings = {"top_k": top_k, "retriever": retriever}
-        settings["retrieval_config"] = rcfg
+        settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "retrieval_config": rcfg}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
                                    retrieval_ms, settings, t0)
 
     def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
-               recompute_ratio: float | None = None, **retrieval) -> Answer:
+               recompute_ratio: float | None = None, debias: str = "none", **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
 
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
@@ -372,9 +376,10 @@ class LongDocQA:
             raise ValueError("passages is empty: give at least one passage")
         _check_attention(attention, recompute_ratio)
         rcfg = _retrieval_config(attention, retrieval)
+        _check_debias(debias, attention)
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
-        settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg}
+        settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg, "debias": debias}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
                                    settings, time.perf_counter()).result()
 
@@ -410,13 +415,12 @@ class LongDocQA:
         return stream
 
     def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0, rcfg=None):
-        from ldqa.attention.generate import SamplingConfig, continue_generation, start_generation
+        from ldqa.attention.generate import SamplingConfig, continue_generation
 
         llm = self.llm
-        prompt = build_prompt(llm.tokenizer, passages, question)
         cfg = SamplingConfig(max_new_tokens=max_new, stop_strings=STOP_STRINGS)
         mode = settings["attention"]
-        block_stats = None
+        debias = settings.get("debias", "none")
         with self._generate_lock:
             t_start = time.perf_counter()
             if mode.startswith("block") and not self.block_runtime.enabled:
@@ -424,21 +428,17 @@ class LongDocQA:
                 settings["fallback_reason"] = self.block_runtime.disabled_reason
                 mode = "full"
             policy = None
-            if mode in ("full", "retrieval"):
-                ids = prompt.ids()
-                cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
-                if mode == "retrieval":
-                    from ldqa.attention.retrieval_attention import RetrievalKV
+            if mode == "retrieval":
+                from ldqa.attention.retrieval_attention import RetrievalKV
 
-                    cache.policy = policy = RetrievalKV(rcfg, llm.model.cfg.attn_scale)
-                gen = start_generation(llm.model, ids, llm.tokenizer.decode, llm.tokenizer.eos_ids, cfg,
-                                       cache=cache, t0=t_start)
+                policy = RetrievalKV(rcfg, llm.model.cfg.attn_scale)
+            dstats = {}
+            if debias == "none":
+                ctx = self._build_context(passages, question, mode, settings, max_new, policy)
             else:
-                cache, logits, block_stats = self.block_runtime.prefill(
-                    prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
-                    recompute_ratio=settings.get("recompute_ratio", 0.0), extra_capacity=max_new + 8)
-                gen = continue_generation(llm.model, cache, logits, llm.tokenizer.decode, llm.tokenizer.eos_ids,
-                                          cfg, t0=t_start)
+                ctx, passages, dstats = self._debiased_context(passages, question, mode, settings, max_new)
+            gen = continue_generation(llm.model, ctx.cache, ctx.logits, llm.tokenizer.decode, llm.tokenizer.eos_ids,
+                                      cfg, t0=t_start)
             for _, delta in gen:
                 yield delta
         text = gen.text.strip()
@@ -448,11 +448,117 @@ class LongDocQA:
                    "generated_tokens": s.generated_tokens, "stop_reason": s.stop_reason, "total_ms": _ms(t0)}
         if policy is not None:
             timings |= policy.stats.to_dict()
-        if block_stats is not None:
-            timings |= block_stats.to_dict()
+        if ctx.block_stats is not None:
+            timings |= ctx.block_stats.to_dict()
         else:
             timings |= {"tokens_reused": 0, "tokens_computed": s.prompt_tokens}
+        timings |= dstats
         stream.answer = Answer(question, text, cite(text, passages), passages, timings, settings)
+
+
+    def _build_context(self, passages, question, mode, settings, max_new, policy=None):
+        """Prefill the prompt for `passages` in attention `mode` ("full"/"retrieval": one exact pass;
+        "block"/"block+recompute": assembled from stored blocks) with `policy` as the cache's hook.
+        Returns a _Context (prompt segments, cache, next-token logits, block stats)."""
+        import torch
+
+        llm = self.llm
+        prompt = build_prompt(llm.tokenizer, passages, question)
+        if mode in ("full", "retrieval"):
+            ids = prompt.ids()
+            cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
+            cache.policy = policy
+            logits = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
+            return _Context(prompt, cache, logits, None)
+        cache, logits, stats = self.block_runtime.prefill(
+            prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
+            recompute_ratio=settings.get("recompute_ratio", 0.0), extra_capacity=max_new + 8, policy=policy)
+        return _Context(prompt, cache, logits, stats)
+
+    def _measure(self, passages, question, mode, settings, max_new):
+        """Build the context with the question's queries recorded; (context, (k,) attention mass)."""
+        import torch
+
+        from ldqa.attention.debias import DebiasKV, passage_mass, passage_spans
+
+        llm = self.llm
+        n_q = len(build_prompt(llm.tokenizer, passages[:1], question).question)
+        rec = DebiasKV(n_record=n_q, scale=llm.model.cfg.attn_scale)
+        ctx = self._build_context(passages, question, mode, settings, max_new, rec)
+        ctx.cache.policy = None
+        L = ctx.cache.length
+        mass = passage_mass(llm.model, ctx.cache, rec.queries, passage_spans(ctx.prompt), torch.arange(L - n_q, L))
+        return ctx, mass
+
+    def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0):
+        """The model's position-only attention bias for k passages (k,), in `attention` mode ("full" or a
+        block mode): found-in-the-middle calibration on irrelevant passages from the bundled sample,
+        computed once and cached on disk (per model fingerprint, k, mode, n_examples, seed)."""
+        from ldqa.attention.debias import bias_cache_path, estimate_bias, load_or_estimate_bias
+        from ldqa.attention.loader import cache_root
+
+        llm = self.llm
+        settings = {"recompute_ratio": 0.15}
+        path = bias_cache_path(cache_root(), llm.fingerprint, k, attention, n_examples, seed)
+
+        def measure(ps, q):
+            return self._measure([Passage.of(p) for p in ps], q, attention, settings, 1)[1]
+
+        return load_or_estimate_bias(path, lambda: estimate_bias(measure, llm.tokenizer, k, n_examples, seed))
+
+    def _debiased_context(self, passages, question, mode, settings, max_new):
+        """Position debiasing (ldqa.attention.debias). Returns (context ready to decode, passages in their
+        final order, timings)."""
+        import torch
+
+        from ldqa.attention import debias as D
+
+        t0 = time.perf_counter()
+        method = settings["debias"]
+        llm = self.llm
+        passes = 1
+        ctx, mass = self._measure(passages, question, mode, settings, max_new)
+        out = {}
+        if method == "sort":
+            for _ in range(settings.get("sort_rounds", 2)):
+                order = D.sort_order(mass)
+                if order == list(range(len(passages))):
+                    break
+                passages = [passages[i] for i in order]
+                ctx, mass = self._measure(passages, question, mode, settings, max_new)
+                passes += 1
+            ctx.cache.policy = None
+        else:
+            bias = self.bias_curve(len(passages), mode if mode != "retrieval" else "full")
+            rel = D.calibrated_relevance(mass, bias)
+            mean_mass = mass.mean()
+            if method == "calibrate+reorder":
+                order = D.reorder_for_bias(rel, bias)
+                passages, rel = [passages[i] for i in order], rel[order]
+                if order != list(range(len(passages))):
+                    ctx = self._build_context(passages, question, mode, settings, max_new)
+                    passes += 1
+            log_w = D.log_weights(rel, mean_mass.expand_as(rel), settings.get("debias_strength", 1.0))
+            L = ctx.cache.length
+            n_q = len(ctx.prompt.question)
+            hook = D.DebiasKV(log_w=D.slot_bias(D.passage_spans(ctx.prompt), log_w, L + max_new + 8),
+                              scale=llm.model.cfg.attn_scale)
+            ctx.cache.policy = hook
+            q_slots = torch.arange(L - n_q, L)  # the question, recomputed in place under the intervention
+            ctx.logits = llm.model(torch.tensor([ctx.prompt.question]), ctx.cache.positions[q_slots].clone(),
+                                   ctx.cache, slots=q_slots)
+            out["passage_weights"] = log_w.exp().tolist()
+            out["calibrated_relevance"] = rel.tolist()
+        out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist()}
+        return ctx, passages, out
+
+
+@dataclass
+class _Context:
+    prompt: object
+    cache: object
+    logits: object
+    block_stats: object
 
 
 @dataclass
@@ -480,6 +586,15 @@ def _check_attention(attention, ratio) -> None:
         raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
     if ratio is not None and not 0.0 <= ratio <= 1.0:
         raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio}")
+
+
+def _check_debias(debias: str, attention: str) -> None:
+    from ldqa.attention.debias import METHODS
+
+    if debias not in METHODS:
+        raise ValueError(f"debias={debias!r}: choose one of {', '.join(METHODS)}")
+    if debias != "none" and attention == "retrieval":
+        raise ValueError("debias methods work with attention='full', 'block' or 'block+recompute', not 'retrieval'")
 
 
 def _retrieval_config(attention: str, settings: dict):

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="retrieval: keys retrieved per KV head per decode step (default 100)")
         p.add_argument("--window", type=int, default=None, help="retrieval: recent-window tokens (default 128)")
         p.add_argument("--sink", type=int, default=None, help="retrieval: attention-sink tokens (default 4)")
+        p.add_argument("--debias", choices=["none", "calibrate", "calibrate+reorder", "sort"], default="none",
+                       help="position debiasing: calibrate (found-in-the-middle attention calibration), "
+                            "calibrate+reorder (also move relevant passages to well-attended slots), "
+                            "sort (attention sorting)")
         p.add_argument("--recompute-ratio", type=float, default=None,
                        help="fraction of each passage's tokens recomputed in block+recompute (default 0.15)")
         p.add_argument("--max-new-tokens", type=int, default=64)
@@ -107,7 +111,7 @@ def cmd_ingest(args) -> int:
 def cmd_ask(args) -> int:
     qa = _qa(args)
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
-              max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
+              max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
               **_retrieval_kw(args))
     if args.json:
         print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
@@ -158,7 +162,7 @@ def cmd_demo(args) -> int:
         print(f"\n== Q: {q['question']}")
         ans = qa.ask(q["question"], top_k=args.top_k, retriever=args.retriever, attention=args.attention,
                      max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
-                     **_retrieval_kw(args))
+                     debias=args.debias, **_retrieval_kw(args))
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")

@@ -148,16 +148,19 @@ class BlockRuntime:
 
     # ------------------------------------------------------------------ assembly
     def prefill(self, segments, chunk_ids: list[int | None], mode: str = "block",
-                recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64):
+                recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64, policy=None):
         """`assemble` plus the question, in the same single pass as the headers (and recomputed tokens).
 
-        Returns (cache holding the whole prompt, logits of the last prompt token (1, 1, vocab), stats).
+        policy: the cache's attention hook during that pass (e.g. a DebiasKV recording the question's
+        queries), left attached. Returns (cache holding the whole prompt, logits of the last prompt token
+        (1, 1, vocab), stats).
         """
-        return self.assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, with_question=True)
+        return self.assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, with_question=True,
+                             policy=policy)
 
     def assemble(self, segments, chunk_ids: list[int | None], mode: str = "block",
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64,
-                 with_question: bool = False):
+                 with_question: bool = False, policy=None):
         """Build the cache [prefix][h1][b1]...[hk][bk] for `segments` (app.prompt.PromptSegments), ready
         for the question to be prefilled after it.
 
@@ -201,6 +204,7 @@ class BlockRuntime:
             cache.extend(hk, hk, torch.arange(at, at + len(q)))
             fresh += range(at, at + len(q))
             slot_ids += q
+        cache.policy = policy
         logits = self._recompute(cache, slot_ids, fresh) if fresh else None
         stats.tokens_computed += len(fresh)
         stats.assemble_ms = (time.perf_counter() - t0) * 1000

@@ -145,11 +145,10 @@ class Attention(nn.Module):
             k_pos = positions
         kind = self.cfg.layer_types[self.layer]
         policy = getattr(cache, "policy", None)
-        if policy is not None and kind == "full":  # retrieval attention (RetrievalKV) on global layers
-            if q.shape[2] > 1:
-                policy.observe_prefill(self.layer, q)
-            elif slots is None:
-                out = policy.attend(self.layer, q, k, v)  # (b, h, 1, d)
+        if policy is not None and kind == "full":  # a per-sequence hook of the global layers
+            # (RetrievalKV: retrieval attention; DebiasKV: position debiasing); None = normal attention
+            out = policy.forward(self.layer, q, k, v, positions, k_pos, slots)  # (b, h, n, d) or None
+            if out is not None:
                 b, h, n, d = out.shape
                 return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
         if kind == "sliding" and q.shape[2] <= 16 and _ascending(k_pos):

@@ -101,9 +101,9 @@ class _LayerState:
 class RetrievalKV:
     """The retrieval-attention policy of one sequence; attach it to a KVCache as `cache.policy`.
 
-    The model calls `observe_prefill(layer, q)` on every multi-token forward pass of a global layer
-    (it keeps the last queries: the index's view of the query distribution, and marks the index stale)
-    and `attend(layer, q, k, v)` on every single-token decode step of a global layer.
+    The model calls `forward` on every pass of a global layer: multi-token passes go to
+    `observe_prefill(layer, q)` (it keeps the last queries: the index's view of the query distribution,
+    and marks the index stale), single-token decode steps to `attend(layer, q, k, v)`.
     """
 
     def __init__(self, cfg: RetrievalConfig, scale: float):
@@ -111,6 +111,14 @@ class RetrievalKV:
         self.stats = RetrievalStats(index_kind=cfg.index)
         self._layers: dict[int, _LayerState] = {}
         self._queries: dict[int, torch.Tensor] = {}
+
+    def forward(self, layer: int, q, k, v, q_pos, k_pos, slots):
+        """The model's hook (global layers): multi-token passes are observed (their attention is
+        unchanged: returns None); single-token decode steps attend through the index."""
+        if q.shape[2] > 1:
+            self.observe_prefill(layer, q)
+            return None
+        return self.attend(layer, q, k, v) if slots is None else None
 
     def observe_prefill(self, layer: int, q: torch.Tensor) -> None:
         """q: (1, q_heads, n, d) queries of a prefill pass; keeps the last `max_queries` of them."""

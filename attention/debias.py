@@ -1,0 +1,234 @@
+"""Position debiasing for multi-passage prompts (issue 6).
+
+Sources:
+- Lost in the Middle (Liu et al. 2023): accuracy is U-shaped in the position of the relevant passage.
+- Found in the Middle (Hsieh et al. 2024), section 3: the attention a passage receives is a position-
+  only bias plus relevance; estimating the bias with irrelevant passages at each slot and subtracting
+  it ("calibrated attention") ranks passages by relevance; section 4 uses it to intervene on attention.
+- Attention Sorting (Peysakhovich & Lerer 2023): decode a step, sort the passages by the attention they
+  receive (most attended last, next to the question), repeat, then answer.
+
+What is measured: the attention mass from the question's tokens to each passage (its header + body
+slots), from every global-attention layer (all layers of Llama/Qwen/SmolLM2; Gemma 3's global layers,
+as its local layers cannot see most passages), averaged over query heads, question tokens and layers.
+Only the question's queries are kept (a `DebiasKV` records them during the prefill pass), so the cost
+is (question tokens x context) scores per global layer, never a full attention map.
+
+Methods (`METHODS`):
+- "none": nothing.
+- "calibrate": found-in-the-middle calibration as an attention intervention. The calibrated relevance of
+  passage p at slot s is r_p = a_p - b_s (a: observed mass, b: the model's bias curve for k passages).
+  During generation (the question recomputed in place, then every decode step) the global layers add
+  log w_p = strength * (r_p - mean r) / mean a to the scores of p's keys, i.e. scale p's attention by
+  w_p; with equal relevance every w_p = 1 and the model is unchanged.
+- "calibrate+reorder": reorder the passages so the most relevant (by r) sit at the slots the model
+  attends to most (by b), rebuild the context (block mode: stored blocks, RoPE re-encoded only), then
+  intervene as in "calibrate".
+- "sort": attention sorting, `sort_rounds` rounds: order passages by observed mass, ascending (most
+  attended last), rebuild the context, measure again.
+
+Extra cost per question (k passages, T question tokens): "calibrate" recomputes the T question tokens
+once; the reordering methods rebuild the context once per round (full attention: a full prefill each;
+block attention: re-assembly from stored blocks, a few ms plus the question). The bias curve is computed
+once per (model, k, attention mode) from a calibration set built from ldqa's bundled sample documents
+and question templates of our own writing, and cached on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+log = logging.getLogger(__name__)
+
+METHODS = ("none", "calibrate", "calibrate+reorder", "sort")
+
+
+def passage_spans(segments) -> list[tuple[int, int]]:
+    """Cache slot ranges [start, end) of each passage (header + body) in a prompt built as `segments`
+    (app.prompt.PromptSegments): prefix, then header_i + body_i, then the question."""
+    spans, at = [], len(segments.prefix)
+    for h, b in zip(segments.headers, segments.passages):
+        spans.append((at, at + len(h) + len(b)))
+        at += len(h) + len(b)
+    return spans
+
+
+def global_layers(cfg) -> list[int]:
+    """Layers with global attention (the ones that see every passage)."""
+    return [i for i, t in enumerate(cfg.layer_types) if t == "full"]
+
+
+@dataclass
+class DebiasKV:
+    """Attention hook of the global layers (attach as `cache.policy`).
+
+    record: keep the queries of the last `n_record` tokens of each multi-token pass (the question);
+    log_w: (L,) additive score bias per cache slot (log of the attention weight), or None = no change.
+    The biased attention is exact softmax attention with causal masking by position, plus log_w.
+    """
+
+    n_record: int = 0
+    log_w: torch.Tensor | None = None
+    scale: float = 1.0
+    queries: dict = field(default_factory=dict)
+
+    def forward(self, layer: int, q, k, v, q_pos, k_pos, slots):
+        """q: (1, hq, n, d); k, v: (1, hkv, L, d); q_pos (n,), k_pos (L,). Returns (1, hq, n, d) or None
+        (None: the layer runs its normal attention)."""
+        if self.n_record and q.shape[2] > 1:
+            self.queries[layer] = q[0, :, -self.n_record:].detach().float()  # (hq, n_record, d)
+        if self.log_w is None:
+            return None
+        L = k.shape[2]
+        bias = torch.zeros(L)
+        n = min(L, self.log_w.shape[0])
+        bias[:n] = self.log_w[:n]
+        mask = k_pos[None, :] <= q_pos[:, None]  # (n, L) causal by position
+        add = torch.where(mask, bias[None, :], torch.tensor(float("-inf")))  # (n, L)
+        b, hq, nq, d = q.shape
+        hkv = k.shape[1]
+        qg = q.float().reshape(b, hkv, hq // hkv, nq, d)  # (b, hkv, g, n, d)
+        s = torch.einsum("bhgnd,bhld->bhgnl", qg, k.float()) * self.scale + add  # (b, hkv, g, n, L)
+        p = torch.softmax(s, dim=-1)
+        out = torch.einsum("bhgnl,bhld->bhgnd", p, v.float())  # (b, hkv, g, n, d)
+        return out.reshape(b, hq, nq, d).to(q.dtype)
+
+
+def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor) -> torch.Tensor:
+    """Attention mass from the question to each passage: (k,) float, mean over global layers, heads and
+    question tokens. queries: layer -> (hq, T, d) recorded question queries at cache slots q_slots (T,)."""
+    cfg = model.cfg
+    masses = []
+    pos = cache.positions
+    for layer, q in queries.items():
+        keys = cache.keys(layer)[0].float()  # (hkv, L, d)
+        hkv, L, d = keys.shape
+        qg = q.view(hkv, -1, q.shape[1], d)  # (hkv, g, T, d)
+        s = torch.einsum("hgtd,hld->hgtl", qg, keys) * cfg.attn_scale  # (hkv, g, T, L)
+        causal = pos[None, :L] <= pos[q_slots][:, None]  # (T, L)
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).mean(dim=(0, 1, 2))  # (L,)
+        masses.append(torch.stack([p[a:b].sum() for a, b in spans]))
+    return torch.stack(masses).mean(0)
+
+
+def calibrated_relevance(mass: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """r = observed - bias, per slot (found-in-the-middle's calibration). Both (k,)."""
+    if mass.shape != bias.shape:
+        raise ValueError(f"mass {tuple(mass.shape)} and bias {tuple(bias.shape)} must both be (k,)")
+    return mass - bias
+
+
+def log_weights(rel: torch.Tensor, mass: torch.Tensor, strength: float) -> torch.Tensor:
+    """log w_p = strength * (r_p - mean r) / mean(mass): 0 for all passages when relevance is equal."""
+    return strength * (rel - rel.mean()) / mass.mean().clamp_min(1e-9)
+
+
+def slot_bias(spans, log_w_passages: torch.Tensor, length: int) -> torch.Tensor:
+    """Per-slot additive bias (length,): log_w of passage p on its span, 0 elsewhere."""
+    out = torch.zeros(length)
+    for (a, b), w in zip(spans, log_w_passages.tolist()):
+        out[a:b] = w
+    return out
+
+
+def reorder_for_bias(rel: torch.Tensor, bias: torch.Tensor) -> list[int]:
+    """New order (list of passage indices, slot by slot): the most relevant passage goes to the slot with
+    the largest bias, the next to the next largest, and so on."""
+    slots = torch.argsort(bias, descending=True).tolist()  # best-attended slot first
+    ranked = torch.argsort(rel, descending=True).tolist()  # most relevant first
+    order = [0] * len(rel)
+    for s, p in zip(slots, ranked):
+        order[s] = p
+    return order
+
+
+def sort_order(mass: torch.Tensor) -> list[int]:
+    """Attention sorting: passages ascending by received attention (most attended last)."""
+    return torch.argsort(mass, stable=True).tolist()
+
+
+# -------------------------------------------------------------------------------------- bias curve
+
+CALIBRATION_QUESTIONS = (  # of our own writing; none is answered by the bundled sample documents
+    "Who painted the ceiling of the chapel in the old harbour town?",
+    "In what year did the northern railway line first carry passengers?",
+    "What is the capital of the island nation described in the atlas?",
+    "How many moons does the fourth planet of the star system have?",
+    "Which composer wrote the symphony first played at the spring festival?",
+    "What is the boiling point of the solvent used in the experiment?",
+    "Who won the chess tournament held in the mountain village?",
+    "What language is spoken in the valley beyond the river delta?",
+)
+
+
+def calibration_passages(tokenizer, n: int, tokens: int = 120) -> list[dict]:
+    """`n` irrelevant passages of about `tokens` tokens, cut from the bundled sample documents (cycled
+    when the sample is short). Raises RuntimeError if the sample is missing."""
+    from ldqa.retrieval.loaders import load_document
+
+    docs = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
+    ids: list[int] = []
+    for p in sorted(docs.iterdir()):
+        try:
+            d = load_document(p)
+        except Exception as e:  # noqa: BLE001  (a sample file that does not load is skipped)
+            log.warning("calibration: skipped %s: %s", p.name, e)
+            continue
+        ids += tokenizer.encode(d.text)
+    if not ids:
+        raise RuntimeError(f"no calibration text: the bundled sample documents in {docs} are missing")
+    out = []
+    for i in range(n):
+        a = (i * tokens) % max(1, len(ids) - tokens)
+        out.append({"title": f"Sample {i + 1}", "text": tokenizer.decode(ids[a:a + tokens])})
+    return out
+
+
+def estimate_bias(measure_fn, tokenizer, k: int, n_examples: int = 16, seed: int = 0) -> torch.Tensor:
+    """The position-only bias curve (k,): mean attention mass per slot over `n_examples` prompts of k
+    irrelevant passages in seeded random order. measure_fn(passages, question) -> (k,) masses.
+    Deterministic for a seed."""
+    rng = random.Random(seed)
+    pool = calibration_passages(tokenizer, max(2 * k, k + 4))
+    total = torch.zeros(k)
+    for i in range(n_examples):
+        passages = rng.sample(pool, k)
+        q = CALIBRATION_QUESTIONS[i % len(CALIBRATION_QUESTIONS)]
+        total += measure_fn(passages, q)
+    return total / n_examples
+
+
+def bias_cache_path(root: Path, fingerprint: str, k: int, mode: str, n_examples: int, seed: int) -> Path:
+    safe = mode.replace("+", "_")
+    return root / "debias" / f"{fingerprint[:16]}-k{k}-{safe}-n{n_examples}-s{seed}.json"
+
+
+def load_or_estimate_bias(path: Path, estimate) -> torch.Tensor:
+    """Read a cached bias curve (JSON) or compute it with `estimate()` and store it atomically."""
+    if path.exists():
+        try:
+            return torch.tensor(json.loads(path.read_text())["bias"])
+        except (ValueError, KeyError) as e:
+            log.warning("bias cache %s unreadable (%s): recomputing", path, e)
+    bias = estimate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"bias": bias.tolist()}))
+    tmp.replace(path)
+    return bias
+
+
+def uses(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"debias={method!r}: choose one of {', '.join(METHODS)}")
+
+
+__all__ = ["METHODS", "DebiasKV", "passage_spans", "passage_mass", "calibrated_relevance", "log_weights",
+           "slot_bias", "reorder_for_bias", "sort_order", "estimate_bias"]

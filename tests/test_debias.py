@@ -1,0 +1,123 @@
+"""Position debiasing (issue 6): bias-curve determinism, calibration algebra, the attention
+intervention's identity, and reordering that keeps passages and citations right."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ldqa.app.api import LongDocQA, Passage
+from ldqa.app.prompt import build_prompt
+from ldqa.attention import debias as D
+from ldqa.attention.loader import load_model
+
+SAMPLE = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
+PASSAGES = [Passage("Kiln manual", "The SL-30 chamber holds 3.2 cubic metres of stacked lumber."),
+            Passage("Bulletin", "Tighten each fan hub bolt to 18 Nm with a calibrated wrench.", 2),
+            Passage("Log", "Fan No. 2 was replaced on 14 March 2023 after bearing noise."),
+            Passage("Notes", "The humidity sensor fault is shown as error code E-14 on the controller.")]
+
+
+@pytest.fixture
+def tiny_qa(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "cache"))
+    return LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=6)
+
+
+@pytest.fixture(params=["gemma3", "llama"])
+def lm(request, tiny_model_dir):
+    return load_model(str(tiny_model_dir(request.param)))
+
+
+def test_intervention_with_equal_relevance_leaves_logits_unchanged(lm):
+    """log w = 0 on every passage: the biased attention path must equal the model's own (1e-4), for the
+    question recomputed in place and for decode steps; a nonzero weight does change the logits."""
+    seg = build_prompt(lm.tokenizer, PASSAGES, "What torque for the fan hub bolts?")
+    ids, m = seg.ids(), lm.model
+    n_q, L = len(seg.question), len(seg.ids())
+
+    def run(log_w):
+        cache = m.new_cache(capacity=L + 8)
+        m(torch.tensor([ids]), torch.arange(L), cache)
+        if log_w is not None:
+            cache.policy = D.DebiasKV(log_w=D.slot_bias(D.passage_spans(seg), log_w, L + 8), scale=m.cfg.attn_scale)
+        slots = torch.arange(L - n_q, L)
+        out = [m(torch.tensor([seg.question]), cache.positions[slots].clone(), cache, slots=slots, all_logits=True)[0]]
+        for t in (11, 12, 13):
+            out.append(m(torch.tensor([[t]]), torch.tensor([cache.next_position()]), cache)[0])
+        return torch.cat(out)
+
+    plain = run(None)
+    torch.testing.assert_close(run(torch.zeros(len(PASSAGES))), plain, atol=1e-4, rtol=0)
+    assert (run(torch.tensor([0.0, 3.0, 0.0, -3.0])) - plain).abs().max() > 1e-3
+
+
+def test_calibration_algebra_flat_bias_is_identity():
+    mass = torch.tensor([0.10, 0.30, 0.05, 0.20])
+    flat = torch.full((4,), 0.07)
+    rel = D.calibrated_relevance(mass, flat)
+    assert torch.equal(torch.argsort(rel), torch.argsort(mass))
+    torch.testing.assert_close(D.log_weights(rel, mass, 1.0), (mass - mass.mean()) / mass.mean())
+    equal = D.calibrated_relevance(torch.full((4,), 0.2), torch.full((4,), 0.1))
+    assert torch.all(D.log_weights(equal, torch.full((4,), 0.2), 2.0) == 0)
+    # U-shaped bias: by relevance 2 > 3 > 1 > 0; slots by bias 0 > 3 > 1 > 2: slot 0 <- 2, slot 3 <- 3, ...
+    bias = torch.tensor([0.30, 0.05, 0.04, 0.20])
+    assert D.reorder_for_bias(torch.tensor([0.0, 0.1, 0.5, 0.2]), bias) == [2, 1, 0, 3]
+    assert D.sort_order(torch.tensor([0.3, 0.1, 0.2])) == [1, 2, 0]  # most attended last
+    with pytest.raises(ValueError, match="mass"):
+        D.calibrated_relevance(mass, torch.zeros(3))
+
+
+def test_bias_curve_is_deterministic_for_a_seed_and_cached(tiny_qa):
+    a = tiny_qa.bias_curve(3, "full", n_examples=2, seed=1)
+    cached = list(Path(tiny_qa_cache(tiny_qa)).glob("debias/*.json"))
+    assert len(cached) == 1
+    cached[0].unlink()
+    b = tiny_qa.bias_curve(3, "full", n_examples=2, seed=1)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert a.shape == (3,) and bool((a > 0).all()) and float(a.sum()) < 1
+    assert not torch.equal(tiny_qa.bias_curve(3, "full", n_examples=2, seed=2), a)
+    blocks = tiny_qa.bias_curve(3, "block", n_examples=2, seed=1)
+    assert blocks.shape == (3,) and not torch.equal(blocks, a)
+
+
+def tiny_qa_cache(qa) -> Path:
+    from ldqa.attention.loader import cache_root
+
+    return cache_root()
+
+
+@pytest.mark.parametrize("method", ["calibrate", "calibrate+reorder", "sort"])
+@pytest.mark.parametrize("attention", ["full", "block"])
+def test_debias_methods_keep_passages_and_citations(tiny_qa, method, attention):
+    ans = tiny_qa.answer("What torque for the fan hub bolts?", PASSAGES, attention=attention, debias=method)
+    assert sorted(p.title for p in ans.passages) == sorted(p.title for p in PASSAGES)
+    for c in ans.citations:  # citation numbers refer to the final order
+        assert c.title == ans.passages[c.n - 1].title
+    t = ans.timings
+    assert t["debias_passes"] >= 1 and len(t["passage_attention"]) == len(PASSAGES)
+    assert all(0 <= a <= 1 for a in t["passage_attention"])
+    if method.startswith("calibrate"):
+        assert len(t["passage_weights"]) == len(PASSAGES)
+
+
+def test_sort_moves_the_most_attended_passage_last(tiny_qa):
+    ans = tiny_qa.answer("What torque for the fan hub bolts?", PASSAGES, debias="sort")
+    att = ans.timings["passage_attention"]  # measured on the final order
+    assert ans.timings["debias_passes"] >= 2 or att == sorted(att)
+
+
+def test_debias_rejects_bad_settings(tiny_qa):
+    with pytest.raises(ValueError, match="debias"):
+        tiny_qa.answer("q?", PASSAGES, debias="buckets-of-fun")
+    with pytest.raises(ValueError, match="not 'retrieval'"):
+        tiny_qa.answer("q?", PASSAGES, attention="retrieval", debias="sort")
+
+
+def test_calibration_passages_come_from_the_bundled_sample(small_tokenizer):
+    ps = D.calibration_passages(small_tokenizer, 5, tokens=40)
+    assert len(ps) == 5 and all(p["text"].strip() for p in ps)
+    sample_text = " ".join(p.read_text(errors="ignore") for p in SAMPLE.iterdir() if p.suffix != ".pdf").lower()
+    assert ps[0]["text"].split()[0].lower() in sample_text
