@@ -3,6 +3,7 @@
     ldqa ingest PATH... [--store DIR] [--chunk-tokens N]
     ldqa ask "question" [--store DIR] [--top-k K] [--retriever hybrid|dense|bm25] [--model M] [--json]
     ldqa demo [--store DIR]     # ingest the bundled sample, answer its questions
+    ldqa eval BENCHMARK --data PATH --modes full,block,hf [--limit N] [--seed S] [--out DIR]  # see ldqa.eval.harness
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fraction of each passage's tokens recomputed in block+recompute (default 0.15)")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--json", action="store_true", help="print the whole Answer as one JSON object")
+
+    from ldqa.eval.harness import BENCHMARKS, add_arguments
+
+    p = sub.add_parser("eval", help=f"batch evaluation: {', '.join(BENCHMARKS)}; modes compared in one table")
+    add_arguments(p)
     return ap
 
 
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="ldqa: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return {"ingest": cmd_ingest, "ask": cmd_ask, "demo": cmd_demo}[args.cmd](args)
+        return {"ingest": cmd_ingest, "ask": cmd_ask, "demo": cmd_demo, "eval": cmd_eval}[args.cmd](args)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"ldqa {args.cmd}: error: {e}", file=sys.stderr)
         return 2
@@ -172,6 +178,12 @@ def cmd_demo(args) -> int:
     if args.json:
         print(json.dumps(results, indent=1, default=str))
     return 0
+
+
+def cmd_eval(args) -> int:
+    from ldqa.eval.harness import main_from_args
+
+    return main_from_args(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,787 @@
+"""Batch evaluation through the public Python API: ``ldqa eval BENCHMARK --data PATH --modes ... --out DIR``.
+
+Every answer comes from `LongDocQA.answer` (and `LongDocQA.retrieve` for the `retrieval` benchmark); the
+reference mode ``hf`` feeds transformers' own ``generate`` (full attention, greedy) exactly the same prompt
+ids (`ldqa.app.prompt.build_prompt(...).ids()`), same ``max_new_tokens``, output cut at the first of
+`STOP_STRINGS`, so ldqa's accuracy and speed are checked against an independent implementation.
+
+Benchmarks (``--data`` is always a path; nothing is downloaded)
+---------------------------------------------------------------
+nq-multidoc
+    The "Lost in the Middle" protocol (Liu et al. 2023, TACL) on NQ-open: a question with ``--n-passages``
+    passages, its gold passage at each of ``--gold-positions`` (1-based; default 1 and every 5th up to
+    k, the study's positions). Data: the NQ-open oracle file (``nq-open-oracle.jsonl.gz``). Distractors
+    are the gold passages of *other* questions that contain none of the question's normalized answers,
+    sampled with a seed (`ldqa.eval.nq.multidoc_example`; the study used retriever results instead).
+    Metric: best-subspan EM (SQuAD normalization; a gold answer occurs in the prediction).
+kv-retrieval
+    The synthetic JSON key-value task of the same study: the JSON object is one passage, the question
+    'What is the value of key "K" in the JSON data?'; the queried pair is moved to each of ``--depths``
+    (percent of the records); ``--kv-keys`` keeps fewer records. Metric: exact match of the value, counted
+    as in the study (the value occurs in the answer; best-subspan EM).
+niah
+    Needle in a haystack over a directory of ``.txt`` files: ``--lengths`` (haystack tokens) x ``--depths``
+    (percent), the haystack with the needle inserted given as passages of ``--passage-tokens`` tokens
+    (the needle is never split). Needle, question and answers from ``--niah-config`` (JSON with
+    ``needle``, ``question``, ``answers``) or our own default (`NIAH_DEFAULT`). Metric: best-subspan EM.
+retrieval
+    NQ-open oracle: every gold passage becomes one document of a corpus ingested into ``DIR/corpus-*``;
+    per question, the rank of its gold document among `retrieve`'s top 10 gives recall@1/5/10, MRR@10
+    and nDCG@10 (one relevant document: 1/log2(rank + 1)) per ``--retriever``; the top ``--top-k``
+    passages are then answered over (best-subspan EM).
+jsonl
+    Any JSON-lines file of ``{context | passages, question | input, answers}`` records, LongBench's format
+    included (``context, input, answers, all_classes, length, _id``); a ``context`` string is split into
+    passages of ``--passage-tokens`` tokens. Metric: token F1, as LongBench's ``qa_f1_score``
+    (THUDM/LongBench, ``metrics.py``: SQuAD normalization, then token-level F1, max over the answers).
+
+Modes
+-----
+``--modes`` is comma-separated over ``full, block, block+recompute, retrieval`` (ldqa's attention modes)
+and ``hf``; an item may carry its own debias and retriever as ``ATTENTION[/DEBIAS][@RETRIEVER]``.
+Items without them are crossed with ``--debias`` and ``--retriever`` (comma-separated). Debiasing only
+applies to full/block/block+recompute (``retrieval`` and ``hf`` run with ``none``); the retriever axis
+only to the ``retrieval`` benchmark.
+
+Outputs in ``--out DIR``
+------------------------
+``predictions.sqlite`` (one row per example and mode, keyed by (settings hash, benchmark, mode, example
+id): a rerun, e.g. after an interruption or with a larger ``--limit``, answers only what is missing),
+``results.json`` (settings, per-mode summary, every row), ``results.csv`` (every row), ``summary.md``
+(accuracy, TTFT, tokens/s, peak memory per mode) and plots: ``accuracy_vs_position.png`` (nq-multidoc,
+kv-retrieval), ``niah_heatmap.png`` (niah), ``ttft_vs_length.png`` (all). Examples are a seeded sample
+(the first ``--limit`` of a seeded permutation, so a larger limit extends a smaller one); decoding is
+greedy: a run is deterministic for a seed (timings aside).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import json
+import math
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from ldqa.app.api import ATTENTION_MODES, RETRIEVERS
+
+BENCHMARKS = ("nq-multidoc", "kv-retrieval", "niah", "retrieval", "jsonl")
+ENGINES = ATTENTION_MODES + ("hf",)
+DEBIAS_METHODS = ("none", "calibrate", "calibrate+reorder", "sort")  # = ldqa.attention.debias.METHODS
+NIAH_DEFAULT = {"needle": "The secret ingredient of the Korvel kiln glaze is smoked paprika.",
+                "question": "What is the secret ingredient of the Korvel kiln glaze?", "answers": ["paprika"]}
+DEFAULT_MAX_NEW = {"nq-multidoc": 32, "kv-retrieval": 48, "niah": 16, "retrieval": 32, "jsonl": 64}
+METRIC = {"nq-multidoc": "best-subspan EM", "kv-retrieval": "value exact match (best-subspan)",
+          "niah": "needle found (best-subspan EM)", "retrieval": "best-subspan EM",
+          "jsonl": "token F1 (LongBench qa_f1_score)"}
+RANK_KS = (1, 5, 10)
+
+
+@dataclass
+class EvalConfig:
+    """Settings of one `run` (the options of ``ldqa eval``; see the module docstring).
+
+    Parameters
+    ----------
+    benchmark : one of `BENCHMARKS`.
+    data : the data file (directory of .txt files for niah).
+    out : output directory (results, plots, the prediction cache).
+    modes, debias, retriever : comma-separated mode items, crossed (see `parse_modes`).
+    limit : number of questions (nq-multidoc, kv-retrieval, retrieval, jsonl; each at every position or
+        depth) or of (length, depth) cells (niah); None = all.
+    seed : seeds the example sample, the distractors and torch.
+    model : LLM name or path (`LongDocQA`'s default when None).
+    max_new_tokens : answer cap; None = the benchmark's default (`DEFAULT_MAX_NEW`).
+    """
+
+    benchmark: str
+    data: str
+    out: str | None = None
+    modes: str = "full"
+    debias: str = "none"
+    retriever: str = "hybrid"
+    limit: int | None = None
+    seed: int = 0
+    model: str | None = None
+    max_new_tokens: int | None = None
+    n_passages: int = 10
+    gold_positions: str = "default"
+    depths: str = "0,25,50,75,100"
+    lengths: str = "1024,2048,4096"
+    kv_keys: int | None = None
+    top_k: int = 5
+    passage_tokens: int = 512
+    niah_config: str | None = None
+    recompute_ratio: float | None = None
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One evaluated configuration: `attention` (an ldqa attention mode or "hf"), `debias`, `retriever`
+    (None outside the retrieval benchmark)."""
+
+    attention: str
+    debias: str = "none"
+    retriever: str | None = None
+
+    @property
+    def label(self) -> str:
+        """Short display name, e.g. "block+recompute/calibrate@bm25" (defaults left out)."""
+        s = self.attention + ("" if self.debias == "none" else f"/{self.debias}")
+        return s + (f"@{self.retriever}" if self.retriever else "")
+
+    @property
+    def key(self) -> str:
+        """Cache key: every axis spelled out."""
+        return f"{self.attention}/{self.debias}@{self.retriever or '-'}"
+
+
+# ------------------------------------------------------------------------------------ argument parsing
+
+def _csv(value: str, name: str) -> list[str]:
+    items = [x.strip() for x in str(value).split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{name} is empty: give a comma-separated list")
+    return items
+
+
+def _ints(value: str, name: str) -> list[int]:
+    try:
+        return [int(x) for x in _csv(value, name)]
+    except ValueError as e:
+        raise ValueError(f"{name}={value!r}: expected comma-separated integers") from e
+
+
+def parse_modes(modes: str, debias: str = "none", retriever: str = "hybrid", benchmark: str = "") -> list[Mode]:
+    """The cross product of mode items x debias methods x retrievers, duplicates removed, in order.
+
+    Parameters
+    ----------
+    modes : comma-separated items ``ATTENTION[/DEBIAS][@RETRIEVER]``, ATTENTION in `ENGINES`.
+    debias, retriever : comma-separated defaults for items that do not name their own.
+    benchmark : the retriever axis only exists for "retrieval".
+
+    Raises
+    ------
+    ValueError naming --modes, --debias or --retriever for an unknown value, or a debias method given
+    with the retrieval/hf modes.
+    """
+    debiases, retrievers = _csv(debias, "--debias"), _csv(retriever, "--retriever")
+    out: list[Mode] = []
+    for item in _csv(modes, "--modes"):
+        rest, _, own_r = item.partition("@")
+        att, _, own_d = rest.partition("/")
+        if att not in ENGINES:
+            raise ValueError(f"--modes: unknown mode {att!r}; choose from {', '.join(ENGINES)}")
+        ds = [own_d] if own_d else debiases
+        rs = [own_r] if own_r else retrievers
+        for d in ds:
+            if d not in DEBIAS_METHODS:
+                raise ValueError(f"--debias: unknown method {d!r}; choose from {', '.join(DEBIAS_METHODS)}")
+            if att in ("retrieval", "hf") and d != "none":
+                if own_d:
+                    raise ValueError(f"--modes {item!r}: debiasing does not apply to the {att} mode")
+                d = "none"  # the debias axis collapses for modes it does not apply to
+            for r in rs:
+                if r not in RETRIEVERS:
+                    raise ValueError(f"--retriever: unknown retriever {r!r}; choose from {', '.join(RETRIEVERS)}")
+                m = Mode(att, d, r if benchmark == "retrieval" else None)
+                if m not in out:
+                    out.append(m)
+    return out
+
+
+def gold_positions(spec: str, n_passages: int) -> list[int]:
+    """1-based gold positions: "default" = 1 and every 5th up to n (the study's), "all", or a list."""
+    if spec == "default":
+        return sorted({1, n_passages, *range(5, n_passages + 1, 5)})
+    pos = list(range(1, n_passages + 1)) if spec == "all" else _ints(spec, "--gold-positions")
+    bad = [p for p in pos if not 1 <= p <= n_passages]
+    if bad:
+        raise ValueError(f"--gold-positions {bad} outside 1..{n_passages} (--n-passages)")
+    return pos
+
+
+def _validate(cfg: EvalConfig) -> list[Mode]:
+    if cfg.benchmark not in BENCHMARKS:
+        raise ValueError(f"benchmark {cfg.benchmark!r} is unknown; choose from {', '.join(BENCHMARKS)}")
+    if not cfg.data or not Path(cfg.data).exists():
+        raise ValueError(f"--data {cfg.data}: not found; pass the {cfg.benchmark} data file"
+                         + (" (a directory of .txt files)" if cfg.benchmark == "niah" else ""))
+    if cfg.limit is not None and cfg.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {cfg.limit}")
+    for name in ("n_passages", "top_k", "passage_tokens", "kv_keys", "max_new_tokens"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.niah_config and not Path(cfg.niah_config).exists():
+        raise ValueError(f"--niah-config {cfg.niah_config}: not found")
+    if any(not 0 <= d <= 100 for d in _ints(cfg.depths, "--depths")):
+        raise ValueError(f"--depths {cfg.depths}: percentages must be in 0..100")
+    _ints(cfg.lengths, "--lengths")
+    gold_positions(cfg.gold_positions, cfg.n_passages)
+    return parse_modes(cfg.modes, cfg.debias, cfg.retriever, cfg.benchmark)
+
+
+# ------------------------------------------------------------------------------------------ examples
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _sample(n: int, cfg: EvalConfig) -> list[int]:
+    """The first `limit` of a seeded permutation of range(n): a larger limit extends a smaller one."""
+    order = list(range(n))
+    random.Random(cfg.seed).shuffle(order)
+    return order[: cfg.limit] if cfg.limit else order
+
+
+def split_tokens(tok, ids: list[int], size: int, keep: tuple[int, int] = (0, 0)) -> list[str]:
+    """Decode `ids` as texts of about `size` tokens; no boundary falls inside the span `keep`."""
+    cuts = [keep[1] if keep[0] < b < keep[1] else b for b in range(size, len(ids), size)]
+    cuts = sorted({c for c in cuts if 0 < c < len(ids)})
+    texts = [tok.decode(ids[a:b]) for a, b in zip([0] + cuts, cuts + [len(ids)])]
+    return [t for t in texts if t.strip()]
+
+
+def _nq_multidoc(cfg: EvalConfig, qa) -> list[dict]:
+    from ldqa.eval.nq import load_nq, multidoc_example
+
+    records = load_nq(Path(cfg.data))
+    if cfg.n_passages > len(records):
+        raise ValueError(f"--n-passages {cfg.n_passages} exceeds the {len(records)} records of {cfg.data}")
+    out = []
+    for i in _sample(len(records), cfg):
+        for p in gold_positions(cfg.gold_positions, cfg.n_passages):
+            ex = multidoc_example(records, i, cfg.n_passages, p, cfg.seed)
+            out.append(ex | {"id": f"q{i}/pos{p}", "record": i})
+    return out
+
+
+def _kv(cfg: EvalConfig, qa) -> list[dict]:
+    rows = _read_jsonl(Path(cfg.data))
+    out = []
+    for i in _sample(len(rows), cfg):
+        r = rows[i]
+        others = [tuple(p) for p in r["ordered_kv_records"] if p[0] != r["key"]]
+        if cfg.kv_keys:
+            others = others[: max(0, cfg.kv_keys - 1)]
+        for d in _ints(cfg.depths, "--depths"):
+            pos = round(d / 100 * len(others))
+            recs = others[:pos] + [(r["key"], r["value"])] + others[pos:]
+            data = "{" + ", ".join(f'"{k}": "{v}"' for k, v in recs) + "}"
+            out.append({"id": f"{i}/depth{d}", "record": i, "depth": d, "position": pos + 1,
+                        "n_records": len(recs), "question": f'What is the value of key "{r["key"]}" in the JSON data?',
+                        "answers": [r["value"]], "passages": [{"title": "JSON data", "text": data}]})
+    return out
+
+
+def _haystack(path: Path, tok, n_tokens: int) -> list[int]:
+    files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+    if not files:
+        raise ValueError(f"--data {path}: no .txt files for the niah haystack")
+    text = ""
+    for f in files:  # read only what the longest context needs (about 4 characters a token; margin 2x)
+        text += f.read_text(encoding="utf-8", errors="replace") + "\n\n"
+        if len(text) > 8 * n_tokens:
+            break
+    ids = tok.encode(text)
+    if len(ids) < n_tokens:
+        raise ValueError(f"--lengths {n_tokens}: the haystack in {path} has only {len(ids)} tokens")
+    return ids
+
+
+def _niah(cfg: EvalConfig, qa) -> list[dict]:
+    conf = dict(NIAH_DEFAULT)
+    if cfg.niah_config:
+        conf |= json.loads(Path(cfg.niah_config).read_text())
+    answers = conf.get("answers") or [conf["answer"]]
+    tok = qa.llm.tokenizer
+    lengths, depths = _ints(cfg.lengths, "--lengths"), _ints(cfg.depths, "--depths")
+    hay_ids = _haystack(Path(cfg.data), tok, max(lengths))
+    needle = tok.encode(" " + conf["needle"].strip() + " ")
+    cells = [(n, d) for n in lengths for d in depths][: cfg.limit]
+    out = []
+    for n, d in cells:
+        hay = hay_ids[: max(0, n - len(needle))]
+        at = round(d / 100 * len(hay))
+        ids = hay[:at] + needle + hay[at:]
+        texts = split_tokens(tok, ids, cfg.passage_tokens, keep=(at, at + len(needle)))
+        out.append({"id": f"len{n}/depth{d}", "length": n, "depth": d, "question": conf["question"],
+                    "answers": answers, "passages": [{"title": "Essays", "text": t} for t in texts]})
+    return out
+
+
+def _jsonl(cfg: EvalConfig, qa) -> list[dict]:
+    rows = _read_jsonl(Path(cfg.data))
+    out = []
+    for i in _sample(len(rows), cfg):
+        r = rows[i]
+        question = r.get("question") or r.get("input")
+        answers = r.get("answers") if r.get("answers") is not None else r.get("answer")
+        answers = [answers] if isinstance(answers, str) else list(answers or [])
+        if not question or not answers:
+            raise ValueError(f"--data {cfg.data}, record {i + 1}: needs a question (or input) and answers")
+        if r.get("passages"):
+            passages = [p if isinstance(p, dict) else {"title": f"Passage {j + 1}", "text": p}
+                        for j, p in enumerate(r["passages"])]
+        elif r.get("context"):
+            tok = qa.llm.tokenizer
+            passages = [{"title": "Context", "text": t}
+                        for t in split_tokens(tok, tok.encode(r["context"]), cfg.passage_tokens)]
+        else:
+            raise ValueError(f"--data {cfg.data}, record {i + 1}: needs context or passages")
+        ex_id = str(r.get("_id") or r.get("id") or f"line{i + 1}")
+        out.append({"id": ex_id, "record": i, "question": question, "answers": answers, "passages": passages,
+                    **({"length": r["length"]} if "length" in r else {})})
+    return out
+
+
+def _retrieval(cfg: EvalConfig, qa) -> list[dict]:
+    from ldqa.eval.nq import load_nq
+
+    records = load_nq(Path(cfg.data))
+    folder = qa.store.path.parent / "passages"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, r in enumerate(records):  # one Markdown document per gold passage (as eval/bench_nq.py)
+        p = folder / f"{i:05d}.md"
+        body = f"# {r['title']}\n\n{r['text']}\n"
+        if not p.exists() or p.read_text(encoding="utf-8") != body:
+            p.write_text(body, encoding="utf-8")
+        paths.append(p)
+    report = qa.ingest(paths, progress=cfg.progress)  # unchanged files are skipped on a rerun
+    doc_of = [f.doc_id for f in report.files]  # duplicates carry the stored copy's id
+    return [{"id": f"q{i}", "record": i, "question": records[i]["question"], "answers": records[i]["answers"],
+             "gold_doc": doc_of[i], "passages": None} for i in _sample(len(records), cfg)]
+
+
+BUILDERS = {"nq-multidoc": _nq_multidoc, "kv-retrieval": _kv, "niah": _niah, "retrieval": _retrieval,
+            "jsonl": _jsonl}
+
+
+# ------------------------------------------------------------------------------------------ scoring
+
+def rank_metrics(doc_ids: list, gold) -> dict:
+    """recall@1/5/10, MRR@10 and nDCG@10 of one question with one relevant document `gold`, from the
+    retrieved documents in rank order (repeats of a document, i.e. its other chunks, are dropped)."""
+    ranked = list(dict.fromkeys(doc_ids))[:10]
+    rank = ranked.index(gold) + 1 if gold in ranked else None
+    out = {f"recall@{k}": float(rank is not None and rank <= k) for k in RANK_KS}
+    return out | {"gold_rank": rank, "mrr@10": 1 / rank if rank else 0.0,
+                  "ndcg@10": 1 / math.log2(rank + 1) if rank else 0.0}
+
+
+def score(benchmark: str, prediction: str, answers: list[str]) -> float:
+    """The benchmark's per-example metric (`METRIC`)."""
+    from ldqa.eval.metrics import best_subspan_em, token_f1
+
+    return token_f1(prediction, answers) if benchmark == "jsonl" else best_subspan_em(prediction, answers)
+
+
+# ------------------------------------------------------------------------------------------ answering
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class PeakMemory:
+    """Peak resident memory (MB) of the process while the block runs, sampled every 10 ms; with CUDA in
+    use also the peak allocated GPU memory (`gpu_mb`)."""
+
+    def __enter__(self):
+        import torch
+
+        self.peak, self.gpu_mb, self._stop = _rss_mb(), None, threading.Event()
+        self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, _rss_mb())
+
+    def __exit__(self, *exc):
+        import torch
+
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_mb())
+        if self._cuda:
+            self.gpu_mb = torch.cuda.max_memory_allocated() / 2**20
+
+
+class HFReference:
+    """transformers' own `generate` (full attention, greedy) on ldqa's prompt ids: the reference mode."""
+
+    def __init__(self, llm):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.llm = llm
+        self.model = AutoModelForCausalLM.from_pretrained(llm.hf_dir, dtype=torch.float32).eval()
+
+    def answer(self, question: str, passages: list, max_new_tokens: int) -> tuple[str, dict]:
+        """(answer text, timings) for `question` over `passages`: the prompt is
+        ``build_prompt(tokenizer, passages, question).ids()``, the text is cut at the first stop string."""
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        from ldqa.app.api import Passage
+        from ldqa.app.prompt import STOP_STRINGS, build_prompt
+
+        tok = self.llm.tokenizer
+        ids = build_prompt(tok, [p if hasattr(p, "page") else Passage.of(p) for p in passages], question).ids()
+        eos, times = set(tok.eos_ids), []
+
+        def text_of(new: list[int]) -> tuple[str, bool]:
+            new = new[: next((j for j, t in enumerate(new) if t in eos), len(new))]
+            text = tok.decode(new).lstrip()
+            cut = min((i for i in (text.find(s) for s in STOP_STRINGS) if i >= 0), default=None)
+            return (text if cut is None else text[:cut]), cut is not None
+
+        class Watch(StoppingCriteria):  # times every token; stops at a stop string
+            def __call__(self, input_ids, scores, **kw):
+                times.append(time.perf_counter())
+                return torch.tensor([text_of(input_ids[0, len(ids):].tolist())[1]])
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
+                                      pad_token_id=min(eos), stopping_criteria=StoppingCriteriaList([Watch()]))
+        total = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        n = next((j for j, t in enumerate(new) if t in eos), len(new))
+        decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+        timings = {"ttft_ms": (times[0] - t0) * 1000 if times else total * 1000, "prompt_tokens": len(ids),
+                   "generated_tokens": n, "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                   "total_ms": total * 1000}
+        return text_of(new)[0].strip(), timings
+
+
+def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> dict:
+    """Answer example `ex` in `mode` through the public API; the result row (prediction, score, timings)."""
+    passages, row = ex["passages"], {}
+    if cfg.benchmark == "retrieval":
+        t0 = time.perf_counter()
+        hits = qa.retrieve(ex["question"], top_k=max(10, cfg.top_k), retriever=mode.retriever)
+        row = rank_metrics([h.doc_id for h in hits], ex["gold_doc"])
+        row["retrieval_ms"] = (time.perf_counter() - t0) * 1000
+        passages = hits[: cfg.top_k]
+    used = mode.attention
+    with PeakMemory() as mem:
+        if mode.attention == "hf":
+            text, t = hf.answer(ex["question"], passages, max_new)
+        else:
+            kw = {"recompute_ratio": cfg.recompute_ratio} if mode.attention == "block+recompute" else {}
+            ans = qa.answer(ex["question"], passages, attention=mode.attention, max_new_tokens=max_new,
+                            debias=mode.debias, **kw)
+            text, t, used = ans.text, ans.timings, ans.settings.get("attention_used", mode.attention)
+    meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers")}
+    return {"mode": mode.label, "example_id": ex["id"], **meta, "question": ex["question"],
+            "answers": ex["answers"], "prediction": text, "score": score(cfg.benchmark, text, ex["answers"]),
+            **row, **{k: t.get(k) for k in ("ttft_ms", "tokens_per_s", "prompt_tokens", "generated_tokens",
+                                            "total_ms")},
+            "peak_mb": mem.peak, **({"gpu_peak_mb": mem.gpu_mb} if mem.gpu_mb is not None else {}),
+            "attention_used": used, "n_passages": len(passages)}
+
+
+# ------------------------------------------------------------------------------------------ the cache
+
+class PredictionCache:
+    """Per-example rows in SQLite (``DIR/predictions.sqlite``), keyed by (settings hash, benchmark, mode
+    key, example id); each row is committed as soon as it is answered, so an interrupted run resumes."""
+
+    def __init__(self, path: Path):
+        import sqlite3
+
+        self.db = sqlite3.connect(str(path))
+        self.db.execute("CREATE TABLE IF NOT EXISTS predictions (config TEXT, benchmark TEXT, mode TEXT, "
+                        "example_id TEXT, row TEXT, created_at REAL, "
+                        "PRIMARY KEY (config, benchmark, mode, example_id))")
+
+    def get(self, config: str, benchmark: str, mode: str, example_id: str) -> dict | None:
+        r = self.db.execute("SELECT row, created_at FROM predictions WHERE config=? AND benchmark=? AND mode=? "
+                            "AND example_id=?", (config, benchmark, mode, example_id)).fetchone()
+        return json.loads(r[0]) | {"created_at": r[1]} if r else None
+
+    def put(self, config: str, benchmark: str, mode: str, example_id: str, row: dict) -> float:
+        now = time.time()
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO predictions VALUES (?, ?, ?, ?, ?, ?)",
+                            (config, benchmark, mode, example_id, json.dumps(row), now))
+        return now
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int) -> str:
+    """Hash of everything besides the mode and example id that changes a prediction (data, model,
+    seed, lengths of answers and contexts, ...); --limit, --modes and the position lists are left out."""
+    data = Path(cfg.data).resolve()
+    size = data.stat().st_size if data.is_file() else sorted((p.name, p.stat().st_size) for p in data.glob("*.txt"))
+    niah = Path(cfg.niah_config).read_text() if cfg.niah_config else ""
+    key = [cfg.benchmark, str(data), size, cfg.model, fingerprint, max_new, cfg.seed, cfg.n_passages, cfg.kv_keys,
+           cfg.top_k, cfg.passage_tokens, niah, cfg.recompute_ratio]
+    return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+def run(cfg: EvalConfig) -> dict:
+    """Evaluate every mode on the benchmark's examples; write results, summary and plots to `cfg.out`.
+
+    Returns the results dict (also ``results.json``) with ``computed`` and ``cached`` row counts.
+
+    Raises
+    ------
+    ValueError naming the bad argument: unknown benchmark, mode, debias method or retriever, missing
+    --data, out-of-range numbers.
+    """
+    import torch
+
+    from ldqa.app.api import LongDocQA
+
+    modes = _validate(cfg)
+    out = Path(cfg.out or f"out/eval-{cfg.benchmark}")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    max_new = cfg.max_new_tokens or DEFAULT_MAX_NEW[cfg.benchmark]
+    if cfg.benchmark == "retrieval":  # one corpus store per data file
+        store = out / f"corpus-{hashlib.sha256(str(Path(cfg.data).resolve()).encode()).hexdigest()[:10]}" / "store"
+    else:
+        store = out / "store"
+    qa = LongDocQA(store=store, model=cfg.model, max_new_tokens=max_new)
+    config = settings_hash(cfg, qa.llm.fingerprint, max_new)
+    examples = BUILDERS[cfg.benchmark](cfg, qa)
+    cache = PredictionCache(out / "predictions.sqlite")
+    rows: dict[tuple, dict] = {}
+    todo = []
+    for ex in examples:
+        for m in modes:
+            hit = cache.get(config, cfg.benchmark, m.key, ex["id"])
+            if hit is not None:
+                rows[(ex["id"], m)] = hit
+            else:
+                todo.append((ex, m))
+    n_cached = len(rows)
+    if n_cached:
+        print(f"ldqa eval: {n_cached} answers from the cache in {out / 'predictions.sqlite'}", file=sys.stderr)
+    hf = HFReference(qa.llm) if any(m.attention == "hf" for _, m in todo) else None
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(todo), desc=f"eval {cfg.benchmark}", unit="answer", file=sys.stderr,
+               disable=not cfg.progress)
+    try:
+        for ex, m in todo:
+            row = answer_one(qa, hf, cfg, ex, m, max_new)
+            row["created_at"] = cache.put(config, cfg.benchmark, m.key, ex["id"], row)
+            rows[(ex["id"], m)] = row
+            bar.update(1)
+    except KeyboardInterrupt:
+        print(f"\nldqa eval: interrupted; {len(rows)} answers are saved, run the same command to resume",
+              file=sys.stderr)
+        raise
+    finally:
+        bar.close()
+        cache.close()
+    ordered = [rows[(ex["id"], m)] for ex in examples for m in modes]
+    result = {"benchmark": cfg.benchmark, "metric": METRIC[cfg.benchmark], "model": qa.model_name,
+              "settings": asdict(cfg) | {"max_new_tokens": max_new, "settings_hash": config},
+              "modes": [summarize([r for r in ordered if r["mode"] == m.label], cfg.benchmark) | {"mode": m.label}
+                        for m in modes],
+              "computed": len(todo), "cached": n_cached, "rows": ordered}
+    write_outputs(result, out)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ results
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(rows: list[dict], benchmark: str) -> dict:
+    """One mode's summary: n, accuracy (mean score), median TTFT / tokens/s (tokens/s over answers of
+    two tokens or more) / prompt tokens, peak memory, and the benchmark's breakdown."""
+    s = {"n": len(rows), "accuracy": _mean(r["score"] for r in rows),
+         "ttft_ms": _median(r["ttft_ms"] for r in rows),
+         "tokens_per_s": _median(r["tokens_per_s"] for r in rows if r["tokens_per_s"]),
+         "prompt_tokens": _median(r["prompt_tokens"] for r in rows),
+         "peak_mb": max((r["peak_mb"] for r in rows), default=None),
+         "fallbacks": sum(r["attention_used"] != r["mode"].split("/")[0].split("@")[0] for r in rows)}
+    if benchmark == "retrieval":
+        s |= {k: _mean(r[k] for r in rows) for k in [f"recall@{k}" for k in RANK_KS] + ["mrr@10", "ndcg@10"]}
+    key = {"nq-multidoc": "gold_position", "kv-retrieval": "depth"}.get(benchmark)
+    if key:
+        s["by_position"] = {str(p): _mean(r["score"] for r in rows if r[key] == p)
+                            for p in sorted({r[key] for r in rows})}
+    if benchmark == "niah":
+        s["grid"] = {f"{r['length']}@{r['depth']}": r["score"] for r in rows}
+    return s
+
+
+def _fmt(x, digits=1) -> str:
+    return "" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def summary_markdown(result: dict) -> str:
+    """The summary table (one line per mode) plus, where it applies, accuracy by gold position/depth."""
+    bench, modes = result["benchmark"], result["modes"]
+    st = result["settings"]
+    head = ["mode", "n", "accuracy", "TTFT ms (median)", "tokens/s (median)", "peak RSS MB", "prompt tokens (median)"]
+    extra = [f"recall@{k}" for k in RANK_KS] + ["mrr@10", "ndcg@10"] if bench == "retrieval" else []
+    lines = [f"# ldqa eval {bench}", "",
+             f"model `{result['model']}`, data `{st['data']}`, seed {st['seed']}, max_new_tokens "
+             f"{st['max_new_tokens']}; accuracy = {result['metric']}; {result['computed']} answers computed, "
+             f"{result['cached']} from the cache.", "",
+             "| " + " | ".join(head + extra) + " |", "|" + "---|" * len(head + extra)]
+    for m in modes:
+        cells = [m["mode"], str(m["n"]), _fmt(m["accuracy"], 3), _fmt(m["ttft_ms"]), _fmt(m["tokens_per_s"]),
+                 _fmt(m["peak_mb"], 0), _fmt(m["prompt_tokens"], 0)] + [_fmt(m[k], 3) for k in extra]
+        lines.append("| " + " | ".join(cells) + " |")
+    if any(m.get("fallbacks") for m in modes):
+        lines += ["", "Some block-mode answers fell back to full attention (see `attention_used` in results.csv)."]
+    if "by_position" in modes[0]:
+        pos = list(modes[0]["by_position"])
+        what = "gold position" if bench == "nq-multidoc" else "key depth %"
+        lines += ["", f"Accuracy by {what}:", "", "| mode | " + " | ".join(pos) + " |", "|" + "---|" * (len(pos) + 1)]
+        lines += ["| " + m["mode"] + " | " + " | ".join(_fmt(m["by_position"].get(p), 3) for p in pos) + " |"
+                  for m in modes]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    """results.json, results.csv, summary.md and the plots."""
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    cols = list(dict.fromkeys(k for r in result["rows"] for k in r))
+    with open(out / "results.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in result["rows"]:
+            w.writerow({k: " | ".join(v) if isinstance(v, list) else v for k, v in r.items()})
+    (out / "summary.md").write_text(summary_markdown(result))
+    plot(result, out)
+
+
+def plot(result: dict, out: Path) -> list[Path]:
+    """ttft_vs_length.png always; accuracy_vs_position.png (nq-multidoc, kv-retrieval); niah_heatmap.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made, modes, rows = [], [m["mode"] for m in result["modes"]], result["rows"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for m in modes:
+        by_len: dict[int, list] = {}
+        for r in rows:
+            if r["mode"] == m and r["ttft_ms"] is not None:
+                by_len.setdefault(r["prompt_tokens"], []).append(r["ttft_ms"])
+        xs = sorted(by_len)
+        ax.plot(xs, [statistics.median(by_len[x]) for x in xs], "o-", label=m, alpha=0.7)
+    ax.set(xlabel="prompt tokens", ylabel="TTFT (ms, median)", title=f"{result['benchmark']}: TTFT vs context length")
+    ax.legend(fontsize=7)
+    made.append(_save(fig, out / "ttft_vs_length.png"))
+    if "by_position" in result["modes"][0]:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for m in result["modes"]:
+            ax.plot([int(p) for p in m["by_position"]], list(m["by_position"].values()), "o-", label=m["mode"])
+        xl = "gold passage position" if result["benchmark"] == "nq-multidoc" else "key depth (%)"
+        ax.set(xlabel=xl, ylabel="accuracy", ylim=(-0.05, 1.05), title=f"{result['benchmark']}: accuracy vs position")
+        ax.legend(fontsize=7)
+        made.append(_save(fig, out / "accuracy_vs_position.png"))
+    if result["benchmark"] == "niah":
+        lengths = sorted({r["length"] for r in rows})
+        depths = sorted({r["depth"] for r in rows})
+        fig, axes = plt.subplots(1, len(modes), figsize=(3.2 * len(modes) + 1, 3.2), squeeze=False)
+        for ax, m in zip(axes[0], result["modes"]):
+            grid = [[m["grid"].get(f"{n}@{d}", float("nan")) for n in lengths] for d in depths]
+            ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for i, line in enumerate(grid):
+                for j, v in enumerate(line):
+                    ax.text(j, i, "" if math.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
+            ax.set(title=m["mode"], xlabel="context tokens", ylabel="needle depth")
+        made.append(_save(fig, out / "niah_heatmap.png"))
+    return made
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+def add_arguments(p) -> None:
+    """The options of ``ldqa eval`` on argparse parser `p`."""
+    p.add_argument("benchmark", help=f"one of {', '.join(BENCHMARKS)}")
+    p.add_argument("--data", required=True,
+                   help="data file (NQ-open oracle .jsonl.gz, kv-retrieval .jsonl.gz, any .jsonl) or, for niah, "
+                        "a directory of .txt files")
+    p.add_argument("--modes", default="full",
+                   help=f"comma-separated: {', '.join(ENGINES)}; an item may be ATTENTION[/DEBIAS][@RETRIEVER]")
+    p.add_argument("--debias", default="none", help=f"comma-separated: {', '.join(DEBIAS_METHODS)}")
+    p.add_argument("--retriever", default="hybrid",
+                   help=f"comma-separated: {', '.join(RETRIEVERS)} (retrieval benchmark)")
+    p.add_argument("--limit", type=int, default=None, help="questions (niah: grid cells) evaluated; default all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output directory (default out/eval-BENCHMARK)")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (default), smollm2-135m, a .gguf file or a Hugging Face model directory")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap (default: per benchmark)")
+    p.add_argument("--n-passages", type=int, default=10, help="nq-multidoc: passages per question")
+    p.add_argument("--gold-positions", default="default",
+                   help="nq-multidoc: 1-based positions, 'all', or 'default' (1 and every 5th)")
+    p.add_argument("--depths", default="0,25,50,75,100", help="kv-retrieval, niah: depths in percent")
+    p.add_argument("--lengths", default="1024,2048,4096", help="niah: haystack lengths in tokens")
+    p.add_argument("--kv-keys", type=int, default=None, help="kv-retrieval: keep this many key-value records")
+    p.add_argument("--top-k", type=int, default=5, help="retrieval: passages answered over")
+    p.add_argument("--passage-tokens", type=int, default=512, help="niah, jsonl: tokens per passage of a long text")
+    p.add_argument("--niah-config", default=None, help="niah: JSON with needle, question, answers")
+    p.add_argument("--recompute-ratio", type=float, default=None, help="block+recompute: fraction recomputed")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def config_from_args(args) -> EvalConfig:
+    return EvalConfig(**{f.name: getattr(args, f.name) for f in fields(EvalConfig)})
+
+
+def main_from_args(args) -> int:
+    """``ldqa eval``: run and print the summary table."""
+    result = run(config_from_args(args))
+    print(summary_markdown(result), end="")
+    return 0
