@@ -531,14 +531,13 @@ class LongDocQA:
         else:
             bias = self.bias_curve(len(passages), mode if mode != "retrieval" else "full")
             rel = D.calibrated_relevance(mass, bias)
-            mean_mass = mass.mean()
             if method == "calibrate+reorder":
                 order = D.reorder_for_bias(rel, bias)
                 passages, rel = [passages[i] for i in order], rel[order]
                 if order != list(range(len(passages))):
                     ctx = self._build_context(passages, question, mode, settings, max_new)
                     passes += 1
-            log_w = D.log_weights(rel, mean_mass.expand_as(rel), settings.get("debias_strength", 1.0))
+            log_w = D.log_weights(rel, mass, settings.get("debias_strength", 1.0))  # mean(mass): order-free
             L = ctx.cache.length
             n_q = len(ctx.prompt.question)
             hook = D.DebiasKV(log_w=D.slot_bias(D.passage_spans(ctx.prompt), log_w, L + max_new + 8),
