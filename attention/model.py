@@ -151,12 +151,15 @@ class Attention(nn.Module):
             if out is not None:
                 b, h, n, d = out.shape
                 return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
-        if kind == "sliding" and q.shape[2] <= 16 and _ascending(k_pos):
-            # decode: only the last `window` positions can be seen; read just those keys (exact)
-            if "sliding_decode" not in masks:
+        if kind == "sliding" and q.shape[2] <= 16 and "sliding_decode" not in masks:
+            # decode: only the last `window` positions can be seen; read just those keys (exact).
+            # Planned once per forward pass, shared by every sliding layer (None: positions not ascending)
+            masks["sliding_decode"] = None
+            if _ascending(k_pos):
                 lo = int(torch.searchsorted(k_pos, positions.min() - self.cfg.sliding_window + 1))
                 m = attention_mask(positions, k_pos[lo:], self.cfg.sliding_window)
                 masks["sliding_decode"] = (lo, None if bool(m.all()) else m)
+        if kind == "sliding" and q.shape[2] <= 16 and masks["sliding_decode"] is not None:
             lo, m = masks["sliding_decode"]
             out = dispatch.attention(q, k[:, :, lo:], v[:, :, lo:], mask=m, scale=self.cfg.attn_scale)
             b, h, n, d = out.shape
