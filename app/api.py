@@ -295,6 +295,25 @@ class LongDocQA:
         """Stored documents (id, path, title, n_chunks, bytes, added_at, ...)."""
         return self.store.documents()
 
+    def with_model(self, model: str) -> "LongDocQA":
+        """This collection answered by another LLM: a LongDocQA sharing this one's store, embedder, KV
+        block store, retriever and locks (so ingest/delete and generation stay serialized across both),
+        with its own model and block runtime. Returns self when `model` is already this one's.
+
+        Raises ModelLoadError / UnsupportedModelError (as the constructor) when `model` cannot be loaded.
+        """
+        import copy
+
+        from ldqa.attention.loader import check_model_name
+
+        if model == self.model_name:
+            return self
+        check_model_name(model)
+        other = copy.copy(self)  # shallow: the store, locks and caches are the same objects
+        other.model_name = model
+        other._block_runtime = None
+        return other
+
     # ----------------------------------------------------------------- models
     @property
     def tokenizer(self):
@@ -324,20 +343,20 @@ class LongDocQA:
 
     def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
             max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
-            **retrieval) -> Answer:
+            block_headers: str | None = None, **retrieval) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
         return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio, debias,
-                           **retrieval).result()
+                           block_headers, **retrieval).result()
 
     def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
                max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
-               **retrieval) -> AnswerStream:
+               block_headers: str | None = None, **retrieval) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
         attention: "full" (exact attention over the whole prompt), "block" (each passage's KV states
         computed once, stored and reused, re-positioned by RoPE re-encoding; only the question and the
-        passage headers are computed fresh) or "block+recompute" (block, plus CacheBlend-style
+        passage headers are cached blocks too, unless block_headers="fresh") or "block+recompute" (block, plus CacheBlend-style
         recomputation of a `recompute_ratio` fraction of each passage's tokens; default 0.15) or
         "retrieval" (exact prefill, then each decode step of a global-attention layer attends to the sink,
         the recent window and the top keys an ANN index over the cached keys returns: RetrievalAttention;
@@ -346,23 +365,27 @@ class LongDocQA:
         debias: "none", "calibrate" (found-in-the-middle calibrated attention intervention),
         "calibrate+reorder" (also move the most relevant passages to the best-attended slots) or "sort"
         (attention sorting); see `ldqa.attention.debias` (not with attention="retrieval").
+        block_headers: "cached" (default; each "Passage [n]" header is a reused block, only the question
+        is computed fresh) or "fresh" (headers computed with the question, attending to all before them).
         Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting),
         EmptyCollectionError (nothing ingested yet).
         """
         _check_question(question, top_k, retriever)
-        _check_attention(attention, recompute_ratio)
+        _check_attention(attention, recompute_ratio, block_headers)
         rcfg = _retrieval_config(attention, retrieval)
         _check_debias(debias, attention)
         self.warm_up()  # model loading is not part of a question's timings
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
-        settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "retrieval_config": rcfg}
+        settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "retrieval_config": rcfg,
+                    "block_headers": block_headers}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
                                    retrieval_ms, settings, t0)
 
     def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
-               recompute_ratio: float | None = None, debias: str = "none", **retrieval) -> Answer:
+               recompute_ratio: float | None = None, debias: str = "none", block_headers: str | None = None,
+               **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
 
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
@@ -374,12 +397,13 @@ class LongDocQA:
             raise ValueError("question is empty: ask something")
         if not passages:
             raise ValueError("passages is empty: give at least one passage")
-        _check_attention(attention, recompute_ratio)
+        _check_attention(attention, recompute_ratio, block_headers)
         rcfg = _retrieval_config(attention, retrieval)
         _check_debias(debias, attention)
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
-        settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg, "debias": debias}
+        settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg, "debias": debias,
+                    "block_headers": block_headers}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
                                    settings, time.perf_counter()).result()
 
@@ -409,6 +433,12 @@ class LongDocQA:
             from ldqa.attention.block_attention import DEFAULT_RECOMPUTE_RATIO
 
             settings["recompute_ratio"] = DEFAULT_RECOMPUTE_RATIO if ratio is None else ratio
+        if attention.startswith("block"):
+            from ldqa.attention.block_attention import DEFAULT_HEADERS
+
+            settings["block_headers"] = settings.get("block_headers") or DEFAULT_HEADERS
+        else:
+            settings.pop("block_headers", None)
         stream = AnswerStream(iter(()))
         stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings,
                                         max_new or self.max_new_tokens, t0, rcfg)
@@ -472,7 +502,8 @@ class LongDocQA:
             return _Context(prompt, cache, logits, None)
         cache, logits, stats = self.block_runtime.prefill(
             prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
-            recompute_ratio=settings.get("recompute_ratio", 0.0), extra_capacity=max_new + 8, policy=policy)
+            recompute_ratio=settings.get("recompute_ratio", 0.0), extra_capacity=max_new + 8, policy=policy,
+            headers=settings.get("block_headers") or DEFAULT_HEADERS)
         return _Context(prompt, cache, logits, stats)
 
     def _measure(self, passages, question, mode, settings, max_new):
@@ -490,16 +521,20 @@ class LongDocQA:
         mass = passage_mass(llm.model, ctx.cache, rec.queries, passage_spans(ctx.prompt), torch.arange(L - n_q, L))
         return ctx, mass
 
-    def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0):
+    def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
+                   block_headers: str | None = None):
         """The model's position-only attention bias for k passages (k,), in `attention` mode ("full" or a
-        block mode): found-in-the-middle calibration on irrelevant passages from the bundled sample,
-        computed once and cached on disk (per model fingerprint, k, mode, n_examples, seed)."""
+        block mode, with `block_headers` as in `stream`): found-in-the-middle calibration on irrelevant
+        passages from the bundled sample, computed once and cached on disk (per model fingerprint, k,
+        mode, n_examples, seed)."""
+        from ldqa.attention.block_attention import DEFAULT_HEADERS
         from ldqa.attention.debias import bias_cache_path, estimate_bias, load_or_estimate_bias
         from ldqa.attention.loader import cache_root
 
         llm = self.llm
-        settings = {"recompute_ratio": 0.15}
-        path = bias_cache_path(cache_root(), llm.fingerprint, k, attention, n_examples, seed)
+        settings = {"recompute_ratio": 0.15, "block_headers": block_headers or DEFAULT_HEADERS}
+        key = attention + (f"-{settings['block_headers']}-headers" if attention.startswith("block") else "")
+        path = bias_cache_path(cache_root(), llm.fingerprint, k, key, n_examples, seed)
 
         def measure(ps, q):
             return self._measure([Passage.of(p) for p in ps], q, attention, settings, 1)[1]
@@ -529,7 +564,8 @@ class LongDocQA:
                 passes += 1
             ctx.cache.policy = None
         else:
-            bias = self.bias_curve(len(passages), mode if mode != "retrieval" else "full")
+            bias = self.bias_curve(len(passages), mode if mode != "retrieval" else "full",
+                                   block_headers=settings.get("block_headers"))
             rel = D.calibrated_relevance(mass, bias)
             if method == "calibrate+reorder":
                 order = D.reorder_for_bias(rel, bias)
@@ -580,11 +616,15 @@ class Passage:
         return cls(obj.title, obj.text, getattr(obj, "page", None))
 
 
-def _check_attention(attention, ratio) -> None:
+def _check_attention(attention, ratio, block_headers=None) -> None:
+    from ldqa.attention.block_attention import HEADER_MODES
+
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
     if ratio is not None and not 0.0 <= ratio <= 1.0:
         raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio}")
+    if block_headers is not None and block_headers not in HEADER_MODES:
+        raise ValueError(f"block_headers={block_headers!r}: choose one of {', '.join(HEADER_MODES)}")
 
 
 def _check_debias(debias: str, attention: str) -> None:

@@ -4,6 +4,7 @@
     ldqa ask "question" [--store DIR] [--top-k K] [--retriever hybrid|dense|bm25] [--model M] [--json]
     ldqa demo [--store DIR]     # ingest the bundled sample, answer its questions
     ldqa eval BENCHMARK --data PATH --modes full,block,hf [--limit N] [--seed S] [--out DIR]  # see ldqa.eval.harness
+    ldqa serve [--store DIR] [--host 127.0.0.1] [--port 7860]   # the web app (see ldqa.app.ui)
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="position debiasing: calibrate (found-in-the-middle attention calibration), "
                             "calibrate+reorder (also move relevant passages to well-attended slots), "
                             "sort (attention sorting)")
+        p.add_argument("--block-headers", choices=["cached", "fresh"], default=None,
+                       help="block modes: cached (default; each 'Passage [n]' header is a reused block, only the "
+                            "question is computed fresh) or fresh (headers computed with the question)")
         p.add_argument("--recompute-ratio", type=float, default=None,
                        help="fraction of each passage's tokens recomputed in block+recompute (default 0.15)")
         p.add_argument("--max-new-tokens", type=int, default=64)
@@ -69,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help=f"batch evaluation: {', '.join(BENCHMARKS)}; modes compared in one table")
     add_arguments(p)
+
+    p = sub.add_parser("serve", help="the web app: upload documents, ask, read the cited passages")
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--concurrency", type=int, default=2, help="requests served at once (default 2)")
+    p.add_argument("--max-upload-mb", type=float, default=50.0, help="largest accepted upload (default 50 MB)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="default answer cap (tokens)")
+    p.add_argument("--auth-file", default=None,
+                   help="file of user:password lines for a login page (or set LDQA_UI_USER and LDQA_UI_PASSWORD)")
     return ap
 
 
@@ -83,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="ldqa: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return {"ingest": cmd_ingest, "ask": cmd_ask, "demo": cmd_demo, "eval": cmd_eval}[args.cmd](args)
+        return {"ingest": cmd_ingest, "ask": cmd_ask, "demo": cmd_demo, "eval": cmd_eval,
+                "serve": cmd_serve}[args.cmd](args)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"ldqa {args.cmd}: error: {e}", file=sys.stderr)
         return 2
@@ -118,7 +133,7 @@ def cmd_ask(args) -> int:
     qa = _qa(args)
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
               max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
-              **_retrieval_kw(args))
+              block_headers=args.block_headers, **_retrieval_kw(args))
     if args.json:
         print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
         return 0
@@ -168,7 +183,7 @@ def cmd_demo(args) -> int:
         print(f"\n== Q: {q['question']}")
         ans = qa.ask(q["question"], top_k=args.top_k, retriever=args.retriever, attention=args.attention,
                      max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
-                     debias=args.debias, **_retrieval_kw(args))
+                     debias=args.debias, block_headers=args.block_headers, **_retrieval_kw(args))
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")
@@ -184,6 +199,21 @@ def cmd_eval(args) -> int:
     from ldqa.eval.harness import main_from_args
 
     return main_from_args(args)
+
+
+def cmd_serve(args) -> int:
+    import threading
+
+    from ldqa.app.ui import UIConfig, build_app, launch, read_auth
+
+    cfg = UIConfig(concurrency=args.concurrency, max_upload_mb=args.max_upload_mb, max_new_tokens=args.max_new_tokens)
+    auth = read_auth(args.auth_file, os.environ)
+    qa = _qa(args, max_new_tokens=args.max_new_tokens)
+    threading.Thread(target=qa.warm_up, daemon=True).start()  # the page is up while the models load
+    print(f"ldqa serve: collection {qa.store.path}, model {qa.model_name}; http://{args.host}:{args.port}"
+          + (" (login required)" if auth else ""), file=sys.stderr)
+    launch(build_app(qa, cfg), cfg, host=args.host, port=args.port, auth=auth, block=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ one token, question q of 1 token; `x` = attends):
                                  block b2 = [P0 P1 | c0 c1]  positions 0 1 | 2 3
     assembled cache:   P0 P1 h1 a0 a1 h2 c0 c1 q     positions 0..8
         a0,a1 keep their stored KV, rotated by +1 (stored at 2,3 -> now 3,4)
-        c0,c1 rotated by +4 (2,3 -> 6,7); h1, h2 and q are computed fresh:
+        c0,c1 rotated by +4 (2,3 -> 6,7); only q is computed fresh:
                P0 P1 h1 a0 a1 h2 c0 c1 q
-        h1     x  x  x
-        h2     x  x  x  x  x  x             (fresh tokens see everything before them)
-        q      x  x  x  x  x  x  x  x  x
+        h2     x  x  .  .  .  x             (headers "cached": a block of its own, stored at 2 -> 5)
+        q      x  x  x  x  x  x  x  x  x    (the question sees everything)
         a1     x  x  .  x  x                (as encoded: the prefix and its own block only)
+    With headers "fresh" the headers are computed in the question's pass instead and see everything
+    before them (h2: P0..a1); that costs ~5 fresh tokens per passage.
 
 RoPE re-encoding is exact: R(p + d) = R(d) R(p), so rotating a key computed at position p by d equals the
 key computed at p + d, as long as everything before the key is the same at both positions (it is: the
@@ -41,18 +42,24 @@ log = logging.getLogger(__name__)
 
 MODES = ("full", "block", "block+recompute")
 DEFAULT_RECOMPUTE_RATIO = 0.15
+HEADER_MODES = ("cached", "fresh")
+DEFAULT_HEADERS = "cached"
 
 
 @dataclass
 class PrefillStats:
     """What one assembled prefill did. tokens_reused: passage tokens whose KV came from stored blocks;
-    tokens_computed: tokens run through the model (fresh headers/question, block misses, recomputed
-    tokens); kv_hits / kv_misses: block store lookups; assemble_ms: time to build the cache (ms)."""
+    tokens_computed: tokens run through the model (the question, fresh headers, block misses, recomputed
+    tokens); header_tokens_reused: header tokens whose KV came from a cached header block (headers
+    "cached"); kv_hits / kv_misses: block store lookups (passage bodies); assemble_ms: time to build the
+    cache (ms)."""
 
     mode: str = "full"
     tokens_reused: int = 0
     tokens_computed: int = 0
     tokens_recomputed: int = 0
+    header_tokens_reused: int = 0
+    headers: str = DEFAULT_HEADERS
     kv_hits: int = 0
     kv_misses: int = 0
     assemble_ms: float = 0.0
@@ -65,7 +72,8 @@ class PrefillStats:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "tokens_reused": self.tokens_reused, "tokens_computed": self.tokens_computed,
-                "tokens_recomputed": self.tokens_recomputed, "kv_hits": self.kv_hits, "kv_misses": self.kv_misses,
+                "tokens_recomputed": self.tokens_recomputed,
+                "header_tokens_reused": self.header_tokens_reused, "headers": self.headers, "kv_hits": self.kv_hits, "kv_misses": self.kv_misses,
                 "kv_hit_rate": self.kv_hit_rate, "assemble_ms": self.assemble_ms, "encode_ms": self.encode_ms}
 
 
@@ -95,6 +103,7 @@ class BlockRuntime:
     enabled: bool = True
     disabled_reason: str = ""
     _prefix: dict = field(default_factory=dict, repr=False)
+    _headers: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ blocks
     def prefix_block(self, prefix_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +125,16 @@ class BlockRuntime:
         cache.extend(pk, pv, torch.arange(p))
         self.model(torch.tensor([body_ids]), torch.arange(p, p + n), cache)
         return cache.block(p, p + n)
+
+    def header_block(self, prefix_ids: list[int], header_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of a passage header ("Passage [n]") encoded as its own block after the prefix (positions
+        P..P+h-1), computed once per runtime and kept in memory (a few tokens per rank, not worth the
+        store). Returns private copies (num_layers, kv_heads, h, head_dim), safe to rotate in place."""
+        key = (tuple(prefix_ids), tuple(header_ids))
+        if key not in self._headers:
+            self._headers[key] = self.encode_block(prefix_ids, header_ids)
+        k, v = self._headers[key]
+        return k.clone(), v.clone()
 
     def get_block(self, prefix_ids, body_ids, chunk_id, stats: PrefillStats):
         """KV of a passage body: from the store (hit) or encoded and stored (miss).
@@ -148,55 +167,75 @@ class BlockRuntime:
 
     # ------------------------------------------------------------------ assembly
     def prefill(self, segments, chunk_ids: list[int | None], mode: str = "block",
-                recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64, policy=None):
-        """`assemble` plus the question, in the same single pass as the headers (and recomputed tokens).
+                recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64, policy=None,
+                headers: str = DEFAULT_HEADERS):
+        """`assemble` plus the question, in the same single pass as the fresh tokens (recomputed tokens,
+        fresh headers).
 
         policy: the cache's attention hook during that pass (e.g. a DebiasKV recording the question's
         queries), left attached. Returns (cache holding the whole prompt, logits of the last prompt token
         (1, 1, vocab), stats).
         """
         return self.assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, with_question=True,
-                             policy=policy)
+                             policy=policy, headers=headers)
 
     def assemble(self, segments, chunk_ids: list[int | None], mode: str = "block",
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64,
-                 with_question: bool = False, policy=None):
+                 with_question: bool = False, policy=None, headers: str = DEFAULT_HEADERS):
         """Build the cache [prefix][h1][b1]...[hk][bk] for `segments` (app.prompt.PromptSegments), ready
         for the question to be prefilled after it.
 
-        mode "block": bodies from stored blocks, re-encoded to their offsets; headers computed fresh.
-        mode "block+recompute": also recompute, per block, the `recompute_ratio` fraction of tokens whose
-        layer-1 keys deviate most from full attention (CacheBlend); ratio 1.0 reproduces full attention.
+        mode "block": bodies from stored blocks, re-encoded to their offsets.
+        mode "block+recompute": also recompute, per passage, the `recompute_ratio` fraction of tokens
+        (header and body) whose layer-1 keys deviate most from full attention (CacheBlend); ratio 1.0
+        reproduces full attention.
+        headers "cached" (default): each rank's header ("Passage [n]") is a tiny block of its own, encoded
+        once after the prefix and re-encoded to its offset like a body, so only the question is computed
+        fresh (Block-Attention: every block but the last is encoded independently); "fresh": headers are
+        computed in the question's pass, attending to everything before them (about 5 fresh tokens per
+        passage: 690 of them at 16K tokens, the main TTFT cost there).
         Returns (cache, PrefillStats); with `with_question`, (cache, logits, PrefillStats) (see `prefill`).
-        Raises ValueError on an unknown mode or a ratio outside [0, 1].
+        Raises ValueError on an unknown mode or header mode, or a ratio outside [0, 1].
         """
         if mode not in ("block", "block+recompute"):
             raise ValueError(f"assemble: mode must be 'block' or 'block+recompute', got {mode!r}")
+        if headers not in HEADER_MODES:
+            raise ValueError(f"assemble: headers must be one of {', '.join(HEADER_MODES)}, got {headers!r}")
         if not 0.0 <= recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
         t0 = time.perf_counter()
-        stats = PrefillStats(mode=mode)
+        stats = PrefillStats(mode=mode, headers=headers)
         prefix = segments.prefix
         cache = self.model.new_cache(capacity=len(segments) + extra_capacity)
         pk, pv = self.prefix_block(prefix)
         cache.extend(pk, pv, torch.arange(len(prefix)))
         slot_ids = list(prefix)  # token id of every cache slot
-        fresh, spans = [], []  # header slots; (start, end) of each body
+        origin = ["prefix"] * len(prefix)  # per slot: prefix, header (cached), hit (stored body), computed
+        fresh, spans = [], []  # slots computed in the final pass; (start, end) of each passage (header + body)
         for header, body, chunk_id in zip(segments.headers, segments.passages, chunk_ids):
             at = cache.length
-            hk = torch.zeros(pk.shape[0], pk.shape[1], len(header), pk.shape[3], dtype=pk.dtype)
-            cache.extend(hk, hk, torch.arange(at, at + len(header)))  # placeholders, computed below
-            fresh += range(at, at + len(header))
+            if headers == "cached":
+                hk, hv = self.header_block(prefix, header)
+                reencode_keys_(self.model, hk, at - len(prefix))
+                stats.header_tokens_reused += len(header)
+            else:
+                hk = hv = torch.zeros(pk.shape[0], pk.shape[1], len(header), pk.shape[3], dtype=pk.dtype)
+                fresh += range(at, at + len(header))  # placeholders, computed below
+            cache.extend(hk, hv, torch.arange(at, at + len(header)))
+            hits = stats.kv_hits
             k, v = self.get_block(prefix, body, chunk_id, stats)
+            origin += ["header" if headers == "cached" else "computed"] * len(header)
+            origin += ["hit" if stats.kv_hits > hits else "computed"] * len(body)
             start = at + len(header)
             reencode_keys_(self.model, k, start - len(prefix))  # stored at P.., now at `start`..
             cache.extend(k, v, torch.arange(start, start + len(body)))
-            spans.append((start, start + len(body)))
+            spans.append((at if headers == "cached" else start, start + len(body)))
             slot_ids += header + body
         if mode == "block+recompute" and recompute_ratio > 0:
             chosen = self._select(cache, slot_ids, spans, fresh, recompute_ratio)
             stats.tokens_recomputed = len(chosen)
-            stats.tokens_reused -= min(stats.tokens_reused, len(chosen))
+            stats.header_tokens_reused -= sum(1 for i in chosen if origin[i] == "header")
+            stats.tokens_reused -= sum(1 for i in chosen if origin[i] == "hit")
             fresh = sorted(set(fresh) | set(chosen))
         if with_question:  # the question joins the same pass: placeholders at the end, computed below
             at, q = cache.length, segments.question

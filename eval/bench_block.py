@@ -6,7 +6,8 @@ Two parts, each selectable:
             a question); median of --repeats runs; ratios full / block.
   accuracy  NQ-open multi-doc (eval/nq.py: gold + distractors from other questions' gold passages that
             contain no answer; gold at a seeded random position), best-subspan EM, for every mode in
-            --modes (full, block, block+recompute@R). Resumable: per-example rows in a JSONL file.
+            --modes (full, block:cached|fresh, block+recompute@R:cached|fresh: how passage headers are
+            built, see BlockRuntime.assemble). Resumable: per-example rows in a JSONL file.
 Also: KV store bytes per 1K tokens (vs the model's KV size), peak RSS.
 
     python -m ldqa.eval.bench_block --part ttft --out out/bench-block
@@ -28,10 +29,15 @@ from ldqa.eval.metrics import best_subspan_em
 from ldqa.eval.nq import DEFAULT_DATA, load_nq, multidoc_example
 
 
-def _mode(spec: str) -> tuple[str, float | None]:
-    """'block+recompute@0.15' -> ('block+recompute', 0.15); 'full' -> ('full', None)."""
+def _mode(spec: str) -> tuple[str, float | None, str | None]:
+    """'block+recompute@0.15:cached' -> ('block+recompute', 0.15, 'cached'); 'full' -> ('full', None, None).
+
+    The ':cached' / ':fresh' suffix picks how passage headers are built (BlockRuntime.assemble); without
+    it the API default applies. (Rows written before the option existed, mode 'block' or
+    'block+recompute@R' without a suffix, ran with fresh headers.)"""
+    spec, _, headers = spec.partition(":")
     name, _, r = spec.partition("@")
-    return name, (float(r) if r else None)
+    return name, (float(r) if r else None), (headers or None)
 
 
 def ttft_part(qa, records, sizes, repeats, seed) -> list[dict]:
@@ -48,22 +54,26 @@ def ttft_part(qa, records, sizes, repeats, seed) -> list[dict]:
         reps = repeats if size <= 8192 else max(1, repeats // 3)
         res = {}
 
-        def run(mode, ratio=None):
-            ans = qa.answer(q["question"], passages, attention=mode, max_new_tokens=1, recompute_ratio=ratio)
+        def run(mode, ratio=None, headers=None):
+            ans = qa.answer(q["question"], passages, attention=mode, max_new_tokens=1, recompute_ratio=ratio,
+                            block_headers=headers)
             return ans.timings
 
         res["full"] = [run("full")["ttft_ms"] for _ in range(reps)]
-        cold, warm, rec = [], [], []
+        cold, warm, warm_fresh, rec = [], [], [], []
         for _ in range(reps):
             qa.kv_store.clear()
             rt = qa.block_runtime
-            rt._prefix.clear()  # the shared prefix is computed again too: a truly cold start
+            rt._prefix.clear()  # the shared prefix and the header blocks are computed again too:
+            rt._headers.clear()  # a truly cold start
             cold.append(run("block")["ttft_ms"])
             t = run("block")
             assert t["kv_hits"] == len(passages), t
             warm.append(t["ttft_ms"])
+            warm_fresh.append(run("block", headers="fresh")["ttft_ms"])
             rec.append(run("block+recompute", 0.15)["ttft_ms"])
-        res |= {"block_cold": cold, "block_warm": warm, "block+recompute@0.15_warm": rec}
+        res |= {"block_cold": cold, "block_warm": warm, "block_warm_fresh_headers": warm_fresh,
+                "block+recompute@0.15_warm": rec}
         prompt_tokens = t["prompt_tokens"]
         med = {k: statistics.median(v) for k, v in res.items()}
         row = {"target_tokens": size, "prompt_tokens": prompt_tokens, "passages": len(passages), "runs": reps,
@@ -92,9 +102,9 @@ def accuracy_part(qa, records, n, n_passages, modes, seed, out: Path) -> dict:
             for spec in modes:
                 if (i, spec) in done:
                     continue
-                mode, ratio = _mode(spec)
+                mode, ratio, headers = _mode(spec)
                 ans = qa.answer(ex["question"], ex["passages"], attention=mode, recompute_ratio=ratio,
-                                max_new_tokens=32)
+                                max_new_tokens=32, block_headers=headers)
                 row = {"i": i, "mode": spec, "gold_position": positions[i], "prediction": ans.text,
                        "em": best_subspan_em(ans.text, ex["answers"]), "ttft_ms": ans.timings["ttft_ms"],
                        "prompt_tokens": ans.timings["prompt_tokens"],
@@ -122,7 +132,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--passages", type=int, default=10)
-    ap.add_argument("--modes", default="full,block,block+recompute@0.05,block+recompute@0.15,block+recompute@0.3")
+    ap.add_argument("--modes", default="full,block:cached,block+recompute@0.15:cached,block:fresh,"
+                                         "block+recompute@0.05:fresh,block+recompute@0.15:fresh,"
+                                         "block+recompute@0.3:fresh")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=Path("out/bench-block"))

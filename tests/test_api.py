@@ -172,6 +172,13 @@ def test_block_modes_reuse_stored_kv_and_match_full_at_ratio_one(tiny_qa, tmp_pa
     warm = tiny_qa.ask(q, top_k=3, attention="block")
     assert warm.timings["kv_hits"] == 3 and warm.timings["tokens_reused"] > 100
     assert warm.text == cold.text  # the stored blocks (fp16) give the same greedy answer here
+    assert warm.settings["block_headers"] == "cached" and warm.timings["header_tokens_reused"] > 0
+    assert warm.timings["tokens_computed"] < warm.timings["prompt_tokens"] - warm.timings["tokens_reused"]
+    fresh = tiny_qa.ask(q, top_k=3, attention="block", block_headers="fresh")
+    assert fresh.settings["block_headers"] == "fresh" and fresh.timings["header_tokens_reused"] == 0
+    assert fresh.timings["tokens_computed"] == warm.timings["tokens_computed"] + warm.timings["header_tokens_reused"]
+    with pytest.raises(ValueError, match="block_headers"):
+        tiny_qa.ask(q, top_k=3, attention="block", block_headers="sometimes")
     exact = tiny_qa.ask(q, top_k=3, attention="block+recompute", recompute_ratio=1.0)
     assert exact.text == full.text and exact.timings["tokens_reused"] == 0
 

@@ -57,11 +57,14 @@ def test_reencoded_keys_equal_keys_computed_at_target_positions(lm):
         assert (moved - b.block(0, n)[0]).abs().max().item() < 1e-5 * max(1.0, b.block(0, n)[0].abs().max().item())
 
 
-def test_recompute_all_tokens_reproduces_full_attention(lm):
+@pytest.mark.parametrize("headers", ["cached", "fresh"])
+def test_recompute_all_tokens_reproduces_full_attention(lm, headers):
     seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
     rt = BlockRuntime(lm.model, "fp")
-    cache, stats = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=1.0)
-    assert stats.tokens_reused == 0 and stats.tokens_recomputed == sum(map(len, seg.passages))
+    cache, stats = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=1.0, headers=headers)
+    n_headers = sum(map(len, seg.headers)) if headers == "cached" else 0  # fresh headers are not "recomputed"
+    assert stats.tokens_reused == 0 and stats.header_tokens_reused == 0
+    assert stats.tokens_recomputed == sum(map(len, seg.passages)) + n_headers
     ids = seg.ids()
     q = seg.question
     ours = lm.model(torch.tensor([q]), torch.arange(len(ids) - len(q), len(ids)), cache, all_logits=True)[0]
@@ -72,7 +75,7 @@ def test_recompute_all_tokens_reproduces_full_attention(lm):
 def test_block_mode_differs_from_full_but_keeps_the_prefix_and_question_exact(lm):
     seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
     rt = BlockRuntime(lm.model, "fp")
-    cache, stats = rt.assemble(seg, [None] * 3, mode="block")
+    cache, stats = rt.assemble(seg, [None] * 3, mode="block", headers="fresh")
     ids = seg.ids()
     assert cache.length == len(ids) - len(seg.question)
     assert torch.equal(cache.positions, torch.arange(cache.length))
@@ -141,3 +144,41 @@ def test_prefill_with_question_in_the_same_pass_equals_assemble_then_question(lm
     assert (one_pass - two_pass).abs().max().item() < 1e-4
     _, exact, _ = rt.prefill(seg, [None] * 3, mode="block+recompute", recompute_ratio=1.0)
     assert (exact[0, -1] - _full_logits(lm, ids)[-1]).abs().max().item() < 1e-3
+
+
+def test_cached_headers_are_blocks_after_the_prefix_and_only_the_question_is_fresh(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
+    rt = BlockRuntime(lm.model, "fp")
+    cache, _ = rt.assemble(seg, [None] * 3, mode="block")  # default: cached headers; fills the header blocks
+    _, _, stats = rt.prefill(seg, [None] * 3, mode="block")
+    assert stats.headers == "cached" and stats.header_tokens_reused == sum(map(len, seg.headers))
+    # no store: bodies are encoded again (misses); headers come from the runtime; the question is fresh
+    assert stats.tokens_computed == sum(map(len, seg.passages)) + len(seg.question)
+    # header 2's KV is [prefix][header 2] encoded as a block (positions P..) and moved to its slot
+    p, h0, b0 = len(seg.prefix), len(seg.headers[0]), len(seg.passages[0])
+    at, h = p + h0 + b0, len(seg.headers[1])
+    ref = lm.model.new_cache()
+    lm.model(torch.tensor([seg.prefix + seg.headers[1]]), torch.arange(p + h), ref)
+    want_k, want_v = ref.block(p, p + h)
+    got_k, got_v = cache.block(at, at + h)
+    assert torch.allclose(got_k, reencode_keys_(lm.model, want_k.clone(), at - p), atol=1e-4)
+    assert torch.allclose(got_v, want_v, atol=1e-4)
+    # layer 0 keys depend on (token, position) only: equal to the keys computed at the target positions
+    gap = lm.model.new_cache()
+    lm.model(torch.tensor([seg.prefix + seg.headers[1]]), torch.cat([torch.arange(p), torch.arange(at, at + h)]), gap)
+    assert torch.allclose(got_k[0], gap.block(p, p + h)[0][0], atol=1e-5)
+    # ...which is not what full attention gives it (it would see passage 1)
+    full = lm.model.new_cache()
+    lm.model(torch.tensor([seg.ids()[:at + h]]), torch.arange(at + h), full)
+    assert not torch.allclose(got_k, full.block(at, at + h)[0], atol=1e-4)
+    # fresh and cached headers give different logits; both are finite
+    _, fresh_logits, fresh = rt.prefill(seg, [None] * 3, mode="block", headers="fresh")
+    _, cached_logits, _ = rt.prefill(seg, [None] * 3, mode="block")
+    assert fresh.tokens_computed == stats.tokens_computed + sum(map(len, seg.headers))
+    assert torch.isfinite(cached_logits).all() and not torch.allclose(fresh_logits, cached_logits, atol=1e-4)
+
+
+def test_bad_header_mode(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES[:1], "q?")
+    with pytest.raises(ValueError, match="headers"):
+        BlockRuntime(lm.model, "fp").assemble(seg, [None], mode="block", headers="none")
