@@ -1,0 +1,465 @@
+"""ldqa's web app: a Gradio Blocks page over one shared `LongDocQA` (``ldqa serve``).
+
+    ldqa serve --store ~/kiln-docs               # http://127.0.0.1:7860
+    from ldqa.app.ui import build_app, launch     # build_app(qa) -> gr.Blocks; launch(app, ...) serves it
+
+Tabs: Chat (streamed answers with [n] citations that open the cited passage, the retrieved passages with
+their dense/BM25/fused scores, per-answer timings), Documents (multi-file upload with per-file results,
+the collection, delete) and Eval (a needle-in-a-haystack run of `ldqa.eval.harness` over the bundled
+sample, on the Chat settings).
+
+Sharing between sessions: every browser session shares the server's `LongDocQA` (one store, one model);
+the API serializes ingest/delete (one lock) and generation (one lock, shared with the `with_model`
+copies used for the model setting), and `Store` is thread-safe. A session's chat lives only in its own
+component values and `gr.State`, so two sessions never see each other's answers. The queue runs at most
+`UIConfig.concurrency` events at a time (the Eval run: one at a time).
+"""
+
+from __future__ import annotations
+
+import html
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import gradio as gr
+
+from ldqa.app.api import ATTENTION_MODES, RETRIEVERS, LongDocQA
+from ldqa.retrieval.loaders import SUPPORTED_EXTENSIONS
+
+SAMPLE_DIR = Path(__file__).parent / "sample"
+DEBIAS_METHODS = ("none", "calibrate", "calibrate+reorder", "sort")  # = ldqa.attention.debias.METHODS
+ALLOWED_TYPES = "PDF, TXT, MD or HTML"
+INGEST_HEADERS = ["file", "result", "chunks", "details"]
+DOC_HEADERS = ["id", "document", "type", "size", "chunks", "added (UTC)"]
+PASSAGE_HEADERS = ["#", "document", "page", "fused", "dense", "BM25", "cited"]
+EMPTY_COLLECTION = ("No documents yet. Add some in the **Documents** tab (or load the bundled sample "
+                    "there), then ask again.")
+
+
+@dataclass
+class UIConfig:
+    """Server-wide settings of the web app.
+
+    concurrency : events the queue runs at once (gr.Blocks.queue default_concurrency_limit).
+    max_upload_mb : largest accepted file (MB); larger uploads are refused with a message.
+    max_new_tokens : default answer cap (tokens) shown in the Chat settings.
+    """
+
+    concurrency: int = 2
+    max_upload_mb: float = 50.0
+    max_new_tokens: int = 64
+
+    def __post_init__(self):
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.max_upload_mb <= 0:
+            raise ValueError(f"max_upload_mb must be > 0, got {self.max_upload_mb}")
+
+
+class Server:
+    """The state every session shares: the collection's `LongDocQA` and its per-model copies.
+
+    Event handlers are methods; they never keep per-session data on `self`.
+    """
+
+    def __init__(self, qa: LongDocQA, cfg: UIConfig):
+        self.qa, self.cfg = qa, cfg
+        self.uploads = qa.store.path / "uploads"  # uploaded files live here, so re-uploads replace by name
+        self._models = {qa.model_name: qa}
+        self._files_lock = threading.Lock()  # copy + ingest of one upload, so two same-named files never mix
+
+    def qa_for(self, model: str) -> LongDocQA:
+        """The shared LongDocQA answering with `model` (same store and locks)."""
+        if model not in self._models:
+            self._models[model] = self.qa.with_model(model)
+        return self._models[model]
+
+    # ------------------------------------------------------------------ documents
+    def status(self) -> str:
+        docs = self.qa.documents()
+        return (f"**ldqa** · collection `{self.qa.store.path}` · {len(docs)} documents · "
+                f"{sum(d.get('n_chunks') or 0 for d in docs)} chunks · model `{Path(self.qa.model_name).name}`")
+
+    def documents_table(self) -> list[list]:
+        return [[d["id"], Path(d["path"]).name, d.get("kind") or "", _size(d.get("bytes")), d.get("n_chunks"),
+                 (d.get("added_at") or "")[:16].replace("T", " ")] for d in self.qa.documents()]
+
+    def refresh(self):
+        """(status line, documents table, delete choices)."""
+        table = self.documents_table()
+        choices = [(f"{row[1]} (#{row[0]})", row[0]) for row in table]
+        return self.status(), table, gr.Dropdown(choices=choices, value=None)
+
+    def ingest(self, files, progress=gr.Progress()):
+        """Ingest uploaded files one by one, yielding the per-file results table as it fills in."""
+        paths = [Path(f) for f in (files or [])]
+        if not paths:
+            yield [["", "nothing to ingest", "", "choose one or more files first"]], *self.refresh(), None
+            return
+        rows = [[p.name, "queued", "", ""] for p in paths]
+        for i, p in enumerate(paths):
+            progress((i, len(paths)), desc=f"ingesting {p.name}", unit="files")
+            rows[i][1] = "ingesting…"
+            yield rows, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            rows[i] = self._ingest_one(p)
+        progress((len(paths), len(paths)), unit="files")
+        yield rows, *self.refresh(), None
+
+    def ingest_sample(self, progress=gr.Progress()):
+        """Ingest the bundled sample documents (same per-file results as an upload)."""
+        yield from self.ingest(sorted(str(p) for p in (SAMPLE_DIR / "docs").iterdir()), progress)
+
+    def _ingest_one(self, src: Path) -> list:
+        """One file: check type and size, copy into <store>/uploads, ingest; its results-table row."""
+        if src.suffix.lower() not in SUPPORTED_EXTENSIONS:
+            return [src.name, "error", 0, f"type '{src.suffix or 'none'}' is not supported: upload {ALLOWED_TYPES}"]
+        size = src.stat().st_size if src.exists() else 0
+        if size > self.cfg.max_upload_mb * 2**20:
+            return [src.name, "error", 0, f"{size / 2**20:.1f} MB is over the {self.cfg.max_upload_mb:g} MB limit"]
+        with self._files_lock:
+            self.uploads.mkdir(parents=True, exist_ok=True)
+            dest = self.uploads / src.name
+            backup = dest.with_name(dest.name + ".previous") if dest.exists() else None
+            if backup:
+                dest.replace(backup)
+            shutil.copyfile(src, dest)
+            r = self.qa.ingest([dest]).files[0]
+            if backup and r.status == "error":
+                backup.replace(dest)  # the stored version stays on disk
+            elif backup:
+                backup.unlink()
+            if self.qa.store.get_document_by_path(str(dest.resolve())) is None:
+                dest.unlink(missing_ok=True)  # failed, or the same content is stored elsewhere
+        detail = r.reason if r.status in ("error", "skipped") else f"{r.ms / 1000:.1f} s"
+        if r.status == "skipped":
+            detail = "duplicate: " + detail.replace(str(self.uploads) + "/", "")
+        return [src.name, r.status, r.chunks, detail]
+
+    def delete(self, doc_id):
+        """Delete the chosen document (chunks, vectors, KV blocks and its uploaded file)."""
+        if doc_id is None:
+            return "Choose a document to delete.", *self.refresh()
+        doc = next((d for d in self.qa.documents() if d["id"] == int(doc_id)), None)
+        if doc is None:
+            return f"Document #{doc_id} is already gone.", *self.refresh()
+        n = self.qa.delete(int(doc_id))
+        path = Path(doc["path"])
+        if path.parent == self.uploads.resolve():
+            path.unlink(missing_ok=True)
+        return f"Deleted **{path.name}**: {n} chunks, their vectors and KV blocks.", *self.refresh()
+
+    # ------------------------------------------------------------------ chat
+    def ask(self, question, history, model, top_k, retriever, attention, debias, max_new):
+        """Stream an answer into this session's chat; then its citations, passages and timings."""
+        history = list(history or [])
+        q = (question or "").strip()
+        if not q:
+            yield history, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": "_retrieving passages…_"}]
+        yield history, "", gr.skip(), gr.skip(), gr.skip()
+        try:
+            stream = self.qa_for(model).stream(q, top_k=int(top_k), retriever=retriever, attention=attention,
+                                               debias=debias, max_new_tokens=int(max_new))
+        except Exception as e:  # empty collection, bad setting, model that cannot load: say so in the chat
+            history[-1] = {"role": "assistant", "content": _ask_error(e)}
+            yield history, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
+        text, pieces = "", iter(stream)
+        try:
+            for piece in pieces:
+                text += piece
+                history[-1] = {"role": "assistant", "content": html.escape(text) + " ▍"}
+                yield history, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        finally:
+            pieces.close()  # a closed session releases the model lock
+        ans = stream.answer
+        history[-1] = {"role": "assistant", "content": answer_markdown(ans)}
+        history += citation_messages(ans)
+        shown = passage_records(ans)
+        first = next((p for p in shown if p["cited"]), shown[0] if shown else None)
+        yield history, gr.skip(), passages_table(ans), passage_html(first), shown
+
+
+# ---------------------------------------------------------------------- rendering
+
+def _size(n) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "KB", "MB"):
+        if n < 1024 or unit == "MB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _ask_error(e: Exception) -> str:
+    from ldqa.retrieval.retriever import EmptyCollectionError
+
+    if isinstance(e, EmptyCollectionError):
+        return EMPTY_COLLECTION
+    return f"**Cannot answer:** {html.escape(str(e))}"
+
+
+def _where(title: str, path: str, page) -> str:
+    name = Path(path).name if path else title
+    return f"{name} · page {page}" if page else name
+
+
+def answer_markdown(ans) -> str:
+    """The answer with its [n] markers (added for citations ldqa attributed) and the timing line."""
+    text = html.escape(ans.text) if ans.text else "_(the model gave no answer)_"
+    missing = [c.n for c in ans.citations if f"[{c.n}]" not in ans.text]
+    if missing:
+        text += " " + "".join(f"[{n}]" for n in missing)
+    if not ans.citations:
+        text += "\n\n_No retrieved passage supports this answer verbatim: check the passages on the right._"
+    return text + "\n\n" + timing_line(ans)
+
+
+def timing_line(ans) -> str:
+    """retrieval ms · TTFT ms · tokens/s · prompt tokens reused from the KV store · attention used."""
+    t, s = ans.timings, ans.settings
+    used = s.get("attention_used", s.get("attention", "full"))
+    parts = [f"retrieval {t['retrieval_ms']:.0f} ms", f"TTFT {t['ttft_ms']:,.0f} ms",
+             f"{t['tokens_per_s']:.1f} tokens/s",
+             f"{t.get('tokens_reused', 0):,}/{t['prompt_tokens']:,} prompt tokens reused from the KV store",
+             f"attention {used}"]
+    if t.get("retrieval_steps"):
+        parts.append(f"{t['keys_touched_per_step']:.0f} keys/step ({100 * t['keys_touched_fraction']:.1f}%)")
+    if s.get("debias", "none") != "none":
+        parts.append(f"debias {s['debias']} (+{t.get('debias_ms', 0):,.0f} ms)")
+    return "<small>" + " · ".join(parts) + "</small>"
+
+
+def passage_records(ans) -> list[dict]:
+    """The answer's passages as plain dicts for the session state: n, where, text, cited, mark span."""
+    cited = {c.n: c for c in ans.citations}
+    out = []
+    for n, p in enumerate(ans.passages, 1):
+        c = cited.get(n)
+        mark = None
+        if c is not None and c.answer_start is not None:
+            mark = (c.answer_start - p.start, c.answer_end - p.start)
+        out.append({"n": n, "where": _where(p.title, getattr(p, "path", ""), p.page), "text": p.text,
+                    "cited": c.method if c else "", "mark": mark})
+    return out
+
+
+def passage_html(rec: dict | None) -> str:
+    """A passage for reading: where it is from and its text, the cited span highlighted."""
+    if not rec:
+        return "<div class='ldqa-passage ldqa-muted'>Click a passage in the table to read it here.</div>"
+    text = rec["text"]
+    s, e = rec["mark"] or (0, 0)
+    if 0 <= s < e <= len(text):
+        body = html.escape(text[:s]) + "<mark>" + html.escape(text[s:e]) + "</mark>" + html.escape(text[e:])
+    else:
+        body = html.escape(text)
+    cited = f" · cited ({rec['cited']})" if rec["cited"] else ""
+    return (f"<div class='ldqa-passage'><div class='ldqa-where'>[{rec['n']}] {html.escape(rec['where'])}{cited}"
+            f"</div><div class='ldqa-text'>{body.replace(chr(10), '<br>')}</div></div>")
+
+
+def citation_messages(ans) -> list[dict]:
+    """One collapsed chat message per citation, titled "[n] document · page"; opening it shows the
+    passage with the cited span highlighted."""
+    recs = passage_records(ans)
+    return [{"role": "assistant", "content": passage_html(recs[c.n - 1]),
+             "metadata": {"title": f"[{c.n}] {recs[c.n - 1]['where']}", "log": c.method, "status": "done"}}
+            for c in ans.citations]
+
+
+def passages_table(ans) -> list[list]:
+    """One row per retrieved passage: #, document, page, fused (RRF) / dense (cosine) / BM25 scores."""
+    hybrid = ans.settings.get("retriever") == "hybrid"
+    cited = {c.n: c.method for c in ans.citations}
+
+    def f(x, digits=3):
+        return "" if x is None else f"{x:.{digits}f}"
+
+    return [[n, Path(getattr(p, "path", "") or p.title).name, p.page or "", f(p.score, 4) if hybrid else "",
+             f(getattr(p, "dense_score", None)), f(getattr(p, "bm25_score", None), 2), cited.get(n, "")]
+            for n, p in enumerate(ans.passages, 1)]
+
+
+def show_passage(records, evt: gr.SelectData):
+    """The passage of the clicked table row."""
+    row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+    return passage_html(records[row] if records and 0 <= row < len(records) else None)
+
+
+# ---------------------------------------------------------------------- eval
+
+def run_eval(model, attention, debias, lengths, depths, compare_full, store_dir, progress=gr.Progress(track_tqdm=True)):
+    """Needle in a haystack over the bundled sample's text (ldqa.eval.harness, benchmark "niah") on the
+    Chat settings; returns (summary markdown, NIAH heatmap, TTFT plot)."""
+    from PIL import Image
+
+    from ldqa.eval.harness import EvalConfig, run, summary_markdown
+
+    if not lengths or not depths:
+        raise gr.Error("Choose at least one context length and one needle depth.")
+    if debias != "none" and attention == "retrieval":
+        raise gr.Error("Debiasing works with full, block or block+recompute attention, not retrieval.")
+    out = Path(store_dir) / "eval-ui"
+    mode = attention + (f"/{debias}" if debias != "none" else "")
+    modes = [mode] + (["full"] if compare_full and mode != "full" else [])
+    cfg = EvalConfig(benchmark="niah", data=str(_sample_haystack(out / "haystack")), out=str(out),
+                     modes=",".join(modes), model=model, lengths=",".join(map(str, sorted(int(x) for x in lengths))),
+                     depths=",".join(map(str, sorted(int(x) for x in depths))), passage_tokens=128, max_new_tokens=16)
+    result = run(cfg)
+    images = [Image.open(out / name).copy() if (out / name).exists() else None
+              for name in ("niah_heatmap.png", "ttft_vs_length.png")]
+    return summary_markdown(result).replace("# ldqa eval niah", "#### Needle in a haystack (bundled sample)"), *images
+
+
+def _sample_haystack(d: Path) -> Path:
+    """The bundled sample's documents as plain .txt files (the niah haystack)."""
+    from ldqa.retrieval.loaders import load_document
+
+    if not d.is_dir() or not any(d.glob("*.txt")):
+        d.mkdir(parents=True, exist_ok=True)
+        for p in sorted((SAMPLE_DIR / "docs").iterdir()):
+            (d / (p.stem + ".txt")).write_text(load_document(p).text, encoding="utf-8")
+    return d
+
+
+# ---------------------------------------------------------------------- page
+
+CSS = """
+.ldqa-passage { font-size: 0.92em; line-height: 1.5; }
+.ldqa-where { font-weight: 600; margin-bottom: 0.4em; }
+.ldqa-text { max-height: 340px; overflow-y: auto; white-space: normal; }
+.ldqa-muted { color: var(--body-text-color-subdued); }
+.ldqa-passage mark { background: #fde68a; color: inherit; padding: 0 2px; border-radius: 2px; }
+#ldqa-header p { margin: 0; }
+footer { display: none !important; }
+"""
+
+
+def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
+    """The Gradio Blocks page over `qa` (shared by every session). Launch it with `launch`."""
+    from ldqa.attention.loader import PACKAGED_MODELS
+
+    cfg = cfg or UIConfig(max_new_tokens=qa.max_new_tokens)
+    srv = Server(qa, cfg)
+    models = list(dict.fromkeys([qa.model_name, *PACKAGED_MODELS]))
+    examples = [q["question"] for q in _sample_questions()[:3]]
+    with gr.Blocks(title="ldqa — ask your documents") as app:
+        header = gr.Markdown(srv.status(), elem_id="ldqa-header")
+        with gr.Tabs(selected="chat" if qa.documents() else "docs"):
+            with gr.Tab("Chat", id="chat"):
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=3):
+                        chatbot = gr.Chatbot(label="Answers", height=560, elem_id="ldqa-chat", buttons=["copy"],
+                                             feedback_options=None, layout="bubble",
+                                             placeholder="Ask about your documents. Answers cite passages as **[n]**: "
+                                                         "open a citation under an answer to read the passage.")
+                        with gr.Row():
+                            question = gr.Textbox(placeholder="Ask a question about your documents…", show_label=False,
+                                                  scale=6, container=False, elem_id="ldqa-question", autofocus=True)
+                            ask_btn = gr.Button("Ask", variant="primary", scale=1, min_width=90, elem_id="ldqa-ask")
+                        gr.Examples(examples, inputs=question, label="Questions about the bundled sample")
+                    with gr.Column(scale=2):
+                        with gr.Accordion("Settings", open=False):
+                            model = gr.Dropdown(models, value=qa.model_name, label="Model")
+                            top_k = gr.Slider(1, 10, value=5, step=1, label="Passages (top_k)")
+                            retriever = gr.Radio(list(RETRIEVERS), value="hybrid", label="Retriever")
+                            attention = gr.Dropdown(list(ATTENTION_MODES), value="full", label="Attention mode")
+                            debias = gr.Dropdown(list(DEBIAS_METHODS), value="none", label="Position debiasing")
+                            max_new = gr.Slider(8, 256, value=cfg.max_new_tokens, step=8, label="Max new tokens")
+                        passages = gr.Dataframe(headers=PASSAGE_HEADERS, label="Retrieved passages (click a row to read it)",
+                                                interactive=False, elem_id="ldqa-passages", max_height=260)
+                        viewer = gr.HTML(passage_html(None), elem_id="ldqa-viewer")
+                records = gr.State([])
+            with gr.Tab("Documents", id="docs"):
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=2):
+                        files = gr.File(label=f"Add documents: {ALLOWED_TYPES}, up to {cfg.max_upload_mb:g} MB each",
+                                        file_count="multiple", type="filepath", elem_id="ldqa-upload", height=150)
+                        sample_btn = gr.Button("Load the bundled sample (4 documents about a lumber kiln)", size="sm")
+                        results = gr.Dataframe(headers=INGEST_HEADERS, label="Ingestion results", interactive=False,
+                                               elem_id="ldqa-ingest-results", wrap=True)
+                    with gr.Column(scale=3):
+                        docs = gr.Dataframe(srv.documents_table(), headers=DOC_HEADERS, label="Collection",
+                                            interactive=False, elem_id="ldqa-docs")
+                        with gr.Row():
+                            doc_pick = gr.Dropdown([], label="Document to delete", scale=3)
+                            delete_btn = gr.Button("Delete", variant="stop", scale=1, min_width=90)
+                        delete_msg = gr.Markdown()
+            with gr.Tab("Eval", id="eval"):
+                gr.Markdown("Needle in a haystack over the bundled sample's text: a sentence is hidden at each depth "
+                            "of a context of each length, and the model is asked for it. Runs with the model, "
+                            "attention mode and debiasing of the Chat settings; answers are cached, so a rerun "
+                            "with the same settings is instant.")
+                with gr.Row():
+                    lengths = gr.CheckboxGroup(["256", "512", "1024"], value=["256", "512"], label="Context lengths (tokens)")
+                    depths = gr.CheckboxGroup(["0", "50", "100"], value=["0", "50", "100"], label="Needle depth (%)")
+                    compare = gr.Checkbox(True, label="Also run full attention")
+                eval_btn = gr.Button("Run the benchmark", variant="primary")
+                eval_table = gr.Markdown(elem_id="ldqa-eval-table")
+                with gr.Row():
+                    heatmap = gr.Image(label="Accuracy by length and depth", type="pil", interactive=False)
+                    ttft = gr.Image(label="TTFT vs context length", type="pil", interactive=False)
+        store_dir = gr.State(str(qa.store.path))
+
+        listing = [header, docs, doc_pick]
+        settings = [model, top_k, retriever, attention, debias, max_new]
+        ask_io = dict(fn=srv.ask, inputs=[question, chatbot, *settings], outputs=[chatbot, question, passages, viewer, records])
+        ask_btn.click(**ask_io, api_name="ask")
+        question.submit(**ask_io, api_name=False)
+        passages.select(show_passage, inputs=records, outputs=viewer, api_name=False)
+        files.upload(srv.ingest, inputs=files, outputs=[results, *listing, files], api_name="ingest")
+        sample_btn.click(srv.ingest_sample, outputs=[results, *listing, files], api_name="ingest_sample")
+        delete_btn.click(srv.delete, inputs=doc_pick, outputs=[delete_msg, *listing], api_name="delete")
+        eval_btn.click(run_eval, inputs=[model, attention, debias, lengths, depths, compare, store_dir],
+                       outputs=[eval_table, heatmap, ttft], api_name="eval", concurrency_limit=1)
+        app.load(srv.refresh, outputs=listing, api_name="documents")
+    return app
+
+
+def _sample_questions() -> list[dict]:
+    import json
+
+    path = SAMPLE_DIR / "questions.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def launch(app: gr.Blocks, cfg: UIConfig, host: str = "127.0.0.1", port: int = 7860,
+           auth: list[tuple[str, str]] | None = None, block: bool = True) -> str:
+    """Serve `app` on host:port (never shared publicly); returns the local URL. block=False returns at
+    once (tests); close with `app.close()`. Raises OSError when the port is taken."""
+    app.queue(default_concurrency_limit=cfg.concurrency)
+    _, url, _ = app.launch(server_name=host, server_port=port, share=False, auth=auth, show_error=True,
+                           max_file_size=f"{cfg.max_upload_mb:g}mb", prevent_thread_lock=not block, quiet=not block,
+                           theme=gr.themes.Soft(primary_hue="amber", neutral_hue="slate"), css=CSS,
+                           footer_links=[], ssr_mode=False)
+    return url
+
+
+def read_auth(auth_file: str | None, env: dict) -> list[tuple[str, str]] | None:
+    """Credentials for the login page: `auth_file` (lines "user:password"; # comments) or the environment
+    variables LDQA_UI_USER and LDQA_UI_PASSWORD; None when neither is given.
+
+    Raises ValueError naming the file and line when a line has no "user:password", or when only one of
+    the two variables is set.
+    """
+    if auth_file:
+        pairs = []
+        for i, line in enumerate(Path(auth_file).expanduser().read_text().splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            user, sep, pw = line.partition(":")
+            if not sep or not user or not pw:
+                raise ValueError(f"--auth-file {auth_file}, line {i}: expected user:password")
+            pairs.append((user, pw))
+        if not pairs:
+            raise ValueError(f"--auth-file {auth_file}: no user:password lines")
+        return pairs
+    user, pw = env.get("LDQA_UI_USER"), env.get("LDQA_UI_PASSWORD")
+    if bool(user) != bool(pw):
+        raise ValueError("set both LDQA_UI_USER and LDQA_UI_PASSWORD (or neither)")
+    return [(user, pw)] if user else None

@@ -1,0 +1,179 @@
+"""The web app (app/ui.py) through gradio_client against a server started here on a free localhost port:
+ingest, ask with a streamed answer, bad files, an empty collection, two concurrent sessions, the Eval
+tab; a tiny random-weight Gemma 3 for speed and, marked slow, the real Gemma 3 270M for citations."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+from gradio_client import Client, handle_file  # noqa: E402
+
+from ldqa.app.api import LongDocQA  # noqa: E402
+from ldqa.app.citations import Citation  # noqa: E402
+from ldqa.app.ui import UIConfig, build_app, launch, passage_html, passage_records, read_auth  # noqa: E402
+
+SAMPLE = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
+SETTINGS = dict(model=None, top_k=3, retriever="hybrid", attention="full", debias="none", max_new=8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(store: Path, model: str, **cfg):
+    """(url, qa, app) of a server on a free localhost port."""
+    qa = LongDocQA(store=store, model=model, max_new_tokens=8)
+    ui_cfg = UIConfig(**{"max_new_tokens": 8, **cfg})
+    app = build_app(qa, ui_cfg)
+    url = launch(app, ui_cfg, port=free_port(), block=False)
+    return url, qa, app
+
+
+@pytest.fixture
+def ui(tmp_path, tiny_model_dir):
+    """A client of a fresh server (tiny model, empty collection, 1 MB upload limit)."""
+    model = str(tiny_model_dir("gemma3"))
+    url, qa, app = start(tmp_path / "store", model, max_upload_mb=1)
+    yield SimpleNamespace(url=url, qa=qa, model=model, client=Client(url, verbose=False))
+    app.close()
+
+
+def ask(client: Client, question: str, model: str, **kw) -> tuple[list, tuple]:
+    """(every streamed output, the final output) of one question."""
+    s = SETTINGS | {"model": model} | kw
+    job = client.submit(question, [], s["model"], s["top_k"], s["retriever"], s["attention"], s["debias"],
+                        s["max_new"], api_name="/ask")
+    final = job.result()
+    return job.outputs(), final
+
+
+def text_of(message: dict) -> str:
+    c = message["content"]
+    return c if isinstance(c, str) else "".join(part.get("text", "") for part in c)
+
+
+def test_ingest_ask_streams_and_delete(ui):
+    rows, _, docs, _, _ = ui.client.predict([handle_file(SAMPLE / "sl30_manual.md"),
+                                             handle_file(SAMPLE / "maintenance_log.txt")], api_name="/ingest")
+    assert [(r[0], r[1]) for r in rows["data"]] == [("sl30_manual.md", "added"), ("maintenance_log.txt", "added")]
+    assert all(int(r[2]) > 0 for r in rows["data"])
+    assert {r[1] for r in docs["data"]} == {"sl30_manual.md", "maintenance_log.txt"}
+
+    outputs, (chat, _, passages, viewer) = ask(ui.client, "Which error code means a humidity sensor fault?",
+                                                  ui.model, max_new=8)
+    assert len(outputs) >= 3  # the question, at least one streamed piece, the finished answer
+    assert text_of(chat[0]) == "Which error code means a humidity sensor fault?"
+    answer = text_of(chat[1])
+    assert "TTFT" in answer and "tokens/s" in answer and "reused from the KV store" in answer
+    assert len(passages["data"]) == 3
+    for row in passages["data"]:  # hybrid: fused, dense and BM25 scores (a passage may miss one list)
+        assert row[3] and (row[4] or row[5])
+    assert "ldqa-passage" in viewer
+
+    again, *_ = ui.client.predict([handle_file(SAMPLE / "sl30_manual.md")], api_name="/ingest")
+    assert again["data"][0][1] == "skipped"
+    manual = next(r[0] for r in docs["data"] if r[1] == "sl30_manual.md")
+    msg, _, docs, _ = ui.client.predict(manual, api_name="/delete")
+    assert "Deleted **sl30_manual.md**" in msg
+    assert [r[1] for r in docs["data"]] == ["maintenance_log.txt"]
+    assert not (ui.qa.store.path / "uploads" / "sl30_manual.md").exists()
+
+
+def test_bad_files_get_a_per_file_error(ui, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "broken.pdf").write_bytes(b"%PDF-1.4\n1 0 obj << /Type /Catalog >>\nnot a pdf")
+    (bad / "notes.docx").write_bytes(b"PK\x03\x04")
+    (bad / "good.txt").write_text("The pressure relief valve opens at 2.5 bar.\n")
+    rows, *_ = ui.client.predict([handle_file(bad / n) for n in ("broken.pdf", "notes.docx", "good.txt")],
+                                 api_name="/ingest")
+    result = {r[0]: (r[1], r[3]) for r in rows["data"]}
+    assert result["good.txt"][0] == "added"
+    assert result["broken.pdf"][0] == "error" and result["broken.pdf"][1]
+    assert result["notes.docx"] == ("error", "type '.docx' is not supported: upload PDF, TXT, MD or HTML")
+    assert [d["path"] for d in ui.qa.documents()] == [str((ui.qa.store.path / "uploads" / "good.txt").resolve())]
+    big = bad / "big.txt"
+    big.write_text("lumber " * 200_000)  # 1.4 MB > the 1 MB limit: refused at upload
+    with pytest.raises(Exception, match="(?i)size"):
+        ui.client.predict([handle_file(big)], api_name="/ingest")
+
+
+def test_question_before_any_document_gets_help(ui):
+    _, (chat, *_) = ask(ui.client, "What is the maximum load?", ui.model)
+    assert "No documents yet" in text_of(chat[-1]) and "Documents" in text_of(chat[-1])
+
+
+def test_two_concurrent_sessions_get_their_own_answers(ui):
+    ui.client.predict([handle_file(SAMPLE / "sl30_manual.md"), handle_file(SAMPLE / "maintenance_log.txt")],
+                      api_name="/ingest")
+    other = Client(ui.url, verbose=False)
+    questions = {"a": "Which error code means a humidity sensor fault?",
+                 "b": "On what date was circulation fan No. 2 replaced?"}
+    got = {}
+
+    def run(name, client):
+        got[name] = ask(client, questions[name], ui.model, retriever="bm25", top_k=2)[1]
+
+    threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("a", ui.client), ("b", other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, q in questions.items():
+        chat, _, passages, *_ = got[name]
+        assert [text_of(m) for m in chat if m["role"] == "user"] == [q]
+        alone = ui.qa.retrieve(q, top_k=2, retriever="bm25")  # each session got the passages of its question
+        assert [r[1] for r in passages["data"]] == [Path(p.path).name for p in alone]
+
+
+def test_eval_tab_runs_a_small_niah(ui):
+    table, heatmap, ttft = ui.client.predict(ui.model, "full", "none", ["256"], ["0", "100"], False, api_name="/eval")
+    assert "| full | 2 |" in table  # one mode, two (length, depth) cells
+    assert Path(heatmap).is_file() and Path(ttft).is_file()
+
+
+def test_passage_view_highlights_the_cited_span():
+    p = SimpleNamespace(title="Manual", path="/x/manual.md", page=3, start=100, end=140,
+                        text="Error E-14 <means> a humidity sensor fault.")
+    c = Citation(1, 7, 1, "Manual", "/x/manual.md", 3, 100, 140, "contains", answer_start=106, answer_end=110)
+    ans = SimpleNamespace(passages=[p], citations=[c])
+    html = passage_html(passage_records(ans)[0])
+    assert "[1] manual.md · page 3 · cited (contains)" in html
+    assert "Error <mark>E-14</mark> &lt;means&gt;" in html  # the span highlighted, the text escaped
+
+
+def test_read_auth(tmp_path):
+    f = tmp_path / "users"
+    f.write_text("# users\nann:s3cret\nbob:pa:ss\n")
+    assert read_auth(str(f), {}) == [("ann", "s3cret"), ("bob", "pa:ss")]
+    f.write_text("ann\n")
+    with pytest.raises(ValueError, match="line 1: expected user:password"):
+        read_auth(str(f), {})
+    assert read_auth(None, {"LDQA_UI_USER": "ann", "LDQA_UI_PASSWORD": "x"}) == [("ann", "x")]
+    assert read_auth(None, {}) is None
+    with pytest.raises(ValueError, match="both"):
+        read_auth(None, {"LDQA_UI_USER": "ann"})
+
+
+@pytest.mark.slow
+def test_real_gemma_answer_cites_the_passage(tmp_path):
+    url, qa, app = start(tmp_path / "store", "gemma3-270m")
+    try:
+        client = Client(url, verbose=False)
+        client.predict([handle_file(SAMPLE / "sl30_manual.md")], api_name="/ingest")
+        _, (chat, _, passages, _) = ask(client, "Which SL-30 controller error code indicates a humidity sensor fault?",
+                                           "gemma3-270m", top_k=3, max_new=12)
+        assert "E-14" in text_of(chat[1])
+        cites = [m for m in chat[2:] if (m.get("metadata") or {}).get("title", "").startswith("[")]
+        assert cites and "<mark>E-14</mark>" in text_of(cites[0])
+        assert any(r[6] for r in passages["data"])  # the cited passage is marked in the table
+    finally:
+        app.close()
