@@ -117,10 +117,14 @@ def accuracy_part(qa, records, n, n_passages, modes, seed, out: Path) -> dict:
         rows = [done[(i, spec)] for i in idx if (i, spec) in done]
         summary[spec] = {"n": len(rows), "em": sum(r["em"] for r in rows) / max(1, len(rows)),
                          "median_ttft_ms": statistics.median(r["ttft_ms"] for r in rows) if rows else None}
-    full = summary.get("full", {}).get("em")
-    for spec, s in summary.items():
-        if full is not None:
-            s["em_minus_full_points"] = 100 * (s["em"] - full)
+    for spec, s in summary.items():  # paired with full on the questions both have
+        pairs = [(done[(i, spec)]["em"], done[(i, "full")]["em"]) for i in idx
+                 if (i, spec) in done and (i, "full") in done]
+        if spec != "full" and len(pairs) > 1:
+            d = [a - b for a, b in pairs]
+            s["em_minus_full_points"] = 100 * statistics.fmean(d)
+            s["paired_se_points"] = 100 * statistics.stdev(d) / len(d) ** 0.5
+            s["n_paired"] = len(d)
     return summary
 
 
@@ -138,13 +142,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=Path("out/bench-block"))
+    ap.add_argument("--store", type=Path, default=None,
+                    help="collection directory whose KV block store to use (and fill); default: a new one "
+                         "under --out. Reusing an earlier run's store skips encoding blocks already there "
+                         "(same results: blocks are content-addressed by model, prefix and tokens)")
     args = ap.parse_args(argv)
 
     from ldqa.app.api import LongDocQA
 
     records = load_nq(args.data)
     args.out.mkdir(parents=True, exist_ok=True)
-    store = Path(tempfile.mkdtemp(prefix="kv-", dir=args.out))
+    store = args.store or Path(tempfile.mkdtemp(prefix="kv-", dir=args.out))
     qa = LongDocQA(store=store, model=args.model, kv_budget_mb=4096)
     cfg = qa.llm.config
     result = {"model": qa.model_name, "seed": args.seed, "threads": __import__("torch").get_num_threads(),
