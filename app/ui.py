@@ -18,6 +18,7 @@ component values and `gr.State`, so two sessions never see each other's answers.
 from __future__ import annotations
 
 import html
+import re
 import shutil
 import threading
 from dataclasses import dataclass
@@ -33,7 +34,10 @@ DEBIAS_METHODS = ("none", "calibrate", "calibrate+reorder", "sort")  # = ldqa.at
 ALLOWED_TYPES = "PDF, TXT, MD or HTML"
 INGEST_HEADERS = ["file", "result", "chunks", "details"]
 DOC_HEADERS = ["id", "document", "type", "size", "chunks", "added (UTC)"]
-PASSAGE_HEADERS = ["#", "document", "page", "fused", "dense", "BM25", "cited"]
+PASSAGE_HEADERS = ["#", "document", "fused", "dense", "BM25", "cited"]
+_MARKER = re.compile(r"\[\d{1,3}\]")
+_SENTENCE = re.compile(r"\S[^\n]*?(?:[.!?](?=\s|$)|(?=\n)|$)")  # ends at .!? + space, a newline or the end
+CHAT_EXCERPT_CHARS = 240  # characters shown either side of a cited span in the chat
 EMPTY_COLLECTION = ("No documents yet. Add some in the **Documents** tab (or load the bundled sample "
                     "there), then ask again.")
 
@@ -103,7 +107,10 @@ class Server:
             progress((i, len(paths)), desc=f"ingesting {p.name}", unit="files")
             rows[i][1] = "ingesting…"
             yield rows, gr.skip(), gr.skip(), gr.skip(), gr.skip()
-            rows[i] = self._ingest_one(p)
+            try:
+                rows[i] = self._ingest_one(p)
+            except Exception as e:  # an unreadable upload, a full disk: this file's error, the others go on
+                rows[i] = [p.name, "error", 0, f"{type(e).__name__}: {e}"]
         progress((len(paths), len(paths)), unit="files")
         yield rows, *self.refresh(), None
 
@@ -242,46 +249,74 @@ def passage_records(ans) -> list[dict]:
         mark = None
         if c is not None and c.answer_start is not None:
             mark = (c.answer_start - p.start, c.answer_end - p.start)
+        elif c is not None:  # cited by marker or word overlap: the passage's sentence closest to the answer
+            mark = closest_sentence(p.text, ans.text)
         out.append({"n": n, "where": _where(p.title, getattr(p, "path", ""), p.page), "text": p.text,
                     "cited": c.method if c else "", "mark": mark})
     return out
 
 
-def passage_html(rec: dict | None) -> str:
-    """A passage for reading: where it is from and its text, the cited span highlighted."""
+def closest_sentence(text: str, answer: str, min_share: float = 0.5) -> tuple[int, int] | None:
+    """(start, end) in `text` of the sentence holding the largest share (>= min_share) of the answer's
+    normalized words, or None."""
+    from ldqa.eval.metrics import normalize_answer
+
+    words = set(normalize_answer(_MARKER.sub("", answer)).split())
+    best, span = 0.0, None
+    for m in _SENTENCE.finditer(text) if words else ():
+        share = len(words & set(normalize_answer(m.group()).split())) / len(words)
+        if share > best:
+            best, span = share, m.span()
+    return span if best >= min_share else None
+
+
+def passage_html(rec: dict | None, context: int | None = None) -> str:
+    """A passage for reading: where it is from and its text, the cited span highlighted. context: show
+    only that many characters either side of the highlight (an excerpt, for the chat), else all."""
     if not rec:
         return "<div class='ldqa-passage ldqa-muted'>Click a passage in the table to read it here.</div>"
     text = rec["text"]
     s, e = rec["mark"] or (0, 0)
-    if 0 <= s < e <= len(text):
-        body = html.escape(text[:s]) + "<mark>" + html.escape(text[s:e]) + "</mark>" + html.escape(text[e:])
-    else:
-        body = html.escape(text)
+    if not 0 <= s < e <= len(text):
+        s = e = 0
+    a, b = _excerpt(text, s, e, context) if context is not None and e > s else (0, len(text))
+    body = ("…" if a > 0 else "") + html.escape(text[a:s]) + (f"<mark>{html.escape(text[s:e])}</mark>" if e > s else "")
+    body = (body + html.escape(text[max(e, a):b]) + ("…" if b < len(text) else "")).replace("\n", "<br>")
+    if context is not None:
+        return f"<div class='ldqa-passage'><div class='ldqa-text'>{body}</div></div>"
     cited = f" · cited ({rec['cited']})" if rec["cited"] else ""
     return (f"<div class='ldqa-passage'><div class='ldqa-where'>[{rec['n']}] {html.escape(rec['where'])}{cited}"
-            f"</div><div class='ldqa-text'>{body.replace(chr(10), '<br>')}</div></div>")
+            f"</div><div class='ldqa-text'>{body}</div></div>")
+
+
+def _excerpt(text: str, s: int, e: int, context: int) -> tuple[int, int]:
+    """[a, b) around the span [s, e) with about `context` characters either side, cut at spaces."""
+    a = 0 if s <= context else text.find(" ", s - context, s) + 1 or s - context
+    b = len(text) if e + context >= len(text) else text.rfind(" ", e, e + context)
+    return a, b if b > e else min(len(text), e + context)
 
 
 def citation_messages(ans) -> list[dict]:
     """One collapsed chat message per citation, titled "[n] document · page"; opening it shows the
-    passage with the cited span highlighted."""
+    cited span highlighted in an excerpt of its passage (all of it in the passage viewer)."""
     recs = passage_records(ans)
-    return [{"role": "assistant", "content": passage_html(recs[c.n - 1]),
+    return [{"role": "assistant", "content": passage_html(recs[c.n - 1], context=CHAT_EXCERPT_CHARS),
              "metadata": {"title": f"[{c.n}] {recs[c.n - 1]['where']}", "log": c.method, "status": "done"}}
             for c in ans.citations]
 
 
 def passages_table(ans) -> list[list]:
-    """One row per retrieved passage: #, document, page, fused (RRF) / dense (cosine) / BM25 scores."""
+    """One row per retrieved passage: #, document (and page), fused (RRF; hybrid only), dense (cosine)
+    and BM25 scores (blank when the passage was not in that list), how it is cited."""
     hybrid = ans.settings.get("retriever") == "hybrid"
     cited = {c.n: c.method for c in ans.citations}
 
-    def f(x, digits=3):
+    def f(x, digits):
         return "" if x is None else f"{x:.{digits}f}"
 
-    return [[n, Path(getattr(p, "path", "") or p.title).name, p.page or "", f(p.score, 4) if hybrid else "",
-             f(getattr(p, "dense_score", None)), f(getattr(p, "bm25_score", None), 2), cited.get(n, "")]
-            for n, p in enumerate(ans.passages, 1)]
+    return [[n, _where(p.title, getattr(p, "path", ""), p.page).replace(" · page ", " p."),
+             f(p.score, 4) if hybrid else "", f(getattr(p, "dense_score", None), 3),
+             f(getattr(p, "bm25_score", None), 2), cited.get(n, "")] for n, p in enumerate(ans.passages, 1)]
 
 
 def show_passage(records, evt: gr.SelectData):
@@ -331,7 +366,7 @@ def _sample_haystack(d: Path) -> Path:
 CSS = """
 .ldqa-passage { font-size: 0.92em; line-height: 1.5; }
 .ldqa-where { font-weight: 600; margin-bottom: 0.4em; }
-.ldqa-text { max-height: 340px; overflow-y: auto; white-space: normal; }
+.ldqa-text { max-height: 420px; overflow-y: auto; white-space: normal; }
 .ldqa-muted { color: var(--body-text-color-subdued); }
 .ldqa-passage mark { background: #fde68a; color: inherit; padding: 0 2px; border-radius: 2px; }
 #ldqa-header p { margin: 0; }
@@ -352,7 +387,7 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
         with gr.Tabs(selected="chat" if qa.documents() else "docs"):
             with gr.Tab("Chat", id="chat"):
                 with gr.Row(equal_height=False):
-                    with gr.Column(scale=3):
+                    with gr.Column(scale=11):
                         chatbot = gr.Chatbot(label="Answers", height=560, elem_id="ldqa-chat", buttons=["copy"],
                                              feedback_options=None, layout="bubble",
                                              placeholder="Ask about your documents. Answers cite passages as **[n]**: "
@@ -362,7 +397,7 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                                                   scale=6, container=False, elem_id="ldqa-question", autofocus=True)
                             ask_btn = gr.Button("Ask", variant="primary", scale=1, min_width=90, elem_id="ldqa-ask")
                         gr.Examples(examples, inputs=question, label="Questions about the bundled sample")
-                    with gr.Column(scale=2):
+                    with gr.Column(scale=9):
                         with gr.Accordion("Settings", open=False):
                             model = gr.Dropdown(models, value=qa.model_name, label="Model")
                             top_k = gr.Slider(1, 10, value=5, step=1, label="Passages (top_k)")
@@ -371,20 +406,23 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                             debias = gr.Dropdown(list(DEBIAS_METHODS), value="none", label="Position debiasing")
                             max_new = gr.Slider(8, 256, value=cfg.max_new_tokens, step=8, label="Max new tokens")
                         passages = gr.Dataframe(headers=PASSAGE_HEADERS, label="Retrieved passages (click a row to read it)",
-                                                interactive=False, elem_id="ldqa-passages", max_height=260)
+                                                interactive=False, elem_id="ldqa-passages", max_height=360,
+                                                column_widths=["7%", "31%", "16%", "15%", "13%", "18%"])
                         viewer = gr.HTML(passage_html(None), elem_id="ldqa-viewer")
                 records = gr.State([])
             with gr.Tab("Documents", id="docs"):
                 with gr.Row(equal_height=False):
-                    with gr.Column(scale=2):
+                    with gr.Column(scale=1):
                         files = gr.File(label=f"Add documents: {ALLOWED_TYPES}, up to {cfg.max_upload_mb:g} MB each",
                                         file_count="multiple", type="filepath", elem_id="ldqa-upload", height=150)
                         sample_btn = gr.Button("Load the bundled sample (4 documents about a lumber kiln)", size="sm")
                         results = gr.Dataframe(headers=INGEST_HEADERS, label="Ingestion results", interactive=False,
-                                               elem_id="ldqa-ingest-results", wrap=True)
-                    with gr.Column(scale=3):
+                                               elem_id="ldqa-ingest-results", wrap=True,
+                                               column_widths=["30%", "15%", "14%", "41%"])
+                    with gr.Column(scale=1):
                         docs = gr.Dataframe(srv.documents_table(), headers=DOC_HEADERS, label="Collection",
-                                            interactive=False, elem_id="ldqa-docs")
+                                            interactive=False, elem_id="ldqa-docs", wrap=True,
+                                            column_widths=["7%", "35%", "9%", "13%", "11%", "25%"])
                         with gr.Row():
                             doc_pick = gr.Dropdown([], label="Document to delete", scale=3)
                             delete_btn = gr.Button("Delete", variant="stop", scale=1, min_width=90)
