@@ -463,14 +463,19 @@ class LongDocQA:
 
                 policy = RetrievalKV(rcfg, llm.model.cfg.attn_scale)
             dstats = {}
+            runner = llm.model
             if debias == "none":
                 ctx = self._build_context(passages, question, mode, settings, max_new, policy)
+            elif debias == "buckets":
+                ctx, runner, dstats = self._bucket_context(passages, question, mode, settings, max_new)
             else:
                 ctx, passages, dstats = self._debiased_context(passages, question, mode, settings, max_new)
-            gen = continue_generation(llm.model, ctx.cache, ctx.logits, llm.tokenizer.decode, llm.tokenizer.eos_ids,
+            gen = continue_generation(runner, ctx.cache, ctx.logits, llm.tokenizer.decode, llm.tokenizer.eos_ids,
                                       cfg, t0=t_start)
             for _, delta in gen:
                 yield delta
+            if debias == "buckets":
+                dstats["bucket_steps_chosen"] = list(runner.chosen)
         text = gen.text.strip()
         s = gen.stats
         timings = {"retrieval_ms": retrieval_ms, "prefill_ms": s.prefill_ms, "ttft_ms": s.ttft_ms,
@@ -540,6 +545,31 @@ class LongDocQA:
             return self._measure([Passage.of(p) for p in ps], q, attention, settings, 1)[1]
 
         return load_or_estimate_bias(path, lambda: estimate_bias(measure, llm.tokenizer, k, n_examples, seed))
+
+    def _bucket_context(self, passages, question, mode, settings, max_new):
+        """Attention Buckets (ldqa.attention.debias.BUCKET_SCALES): one exact prefill per RoPE base scale
+        of the global layers. Returns (branch 0's context with the ensemble's first logits, the
+        BucketEnsemble that decodes all branches, timings)."""
+        import torch
+
+        from ldqa.attention.debias import BUCKET_SCALES
+        from ldqa.attention.generate import BucketEnsemble
+
+        t0 = time.perf_counter()
+        llm = self.llm
+        scales = tuple(settings.get("bucket_scales") or BUCKET_SCALES)
+        prompt = build_prompt(llm.tokenizer, passages, question)
+        ids = prompt.ids()
+        caches, logits = [], []
+        for s in scales:
+            cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
+            cache.theta_scale = float(s)
+            logits.append(llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache))
+            caches.append(cache)
+        ens = BucketEnsemble(llm.model, caches)
+        first = ens.pick(logits)
+        settings["bucket_scales"] = list(scales)
+        return _Context(prompt, caches[0], first, None), ens, {"debias_ms": _ms(t0), "debias_passes": len(scales)}
 
     def _debiased_context(self, passages, question, mode, settings, max_new):
         """Position debiasing (ldqa.attention.debias). Returns (context ready to decode, passages in their
@@ -634,6 +664,9 @@ def _check_debias(debias: str, attention: str) -> None:
         raise ValueError(f"debias={debias!r}: choose one of {', '.join(METHODS)}")
     if debias != "none" and attention == "retrieval":
         raise ValueError("debias methods work with attention='full', 'block' or 'block+recompute', not 'retrieval'")
+    if debias == "buckets" and attention != "full":
+        raise ValueError("debias='buckets' needs attention='full': stored blocks hold keys encoded with the "
+                         "model's own RoPE base, and buckets change it (use 'calibrate' or 'sort' with block modes)")
 
 
 def _retrieval_config(attention: str, settings: dict):

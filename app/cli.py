@@ -57,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="retrieval: keys retrieved per KV head per decode step (default 100)")
         p.add_argument("--window", type=int, default=None, help="retrieval: recent-window tokens (default 128)")
         p.add_argument("--sink", type=int, default=None, help="retrieval: attention-sink tokens (default 4)")
-        p.add_argument("--debias", choices=["none", "calibrate", "calibrate+reorder", "sort"], default="none",
+        p.add_argument("--debias", choices=["none", "calibrate", "calibrate+reorder", "sort", "buckets"], default="none",
                        help="position debiasing: calibrate (found-in-the-middle attention calibration), "
                             "calibrate+reorder (also move relevant passages to well-attended slots), "
-                            "sort (attention sorting)")
+                            "sort (attention sorting), buckets (Attention Buckets: parallel branches with "
+                            "different RoPE bases; full attention only)")
         p.add_argument("--block-headers", choices=["cached", "fresh"], default=None,
                        help="block modes: cached (default; each 'Passage [n]' header is a reused block, only the "
                             "question is computed fresh) or fresh (headers computed with the question)")

@@ -26,6 +26,12 @@ Methods (`METHODS`):
   intervene as in "calibrate".
 - "sort": attention sorting, `sort_rounds` rounds: order passages by observed mass, ascending (most
   attended last), rebuild the context, measure again.
+- "buckets": Attention Buckets (Chen et al. 2023, "Fortify the Shortest Stave in Attention", sec. 3):
+  the prompt is prefilled once per RoPE base in `BUCKET_SCALES` (a multiplier of the global layers'
+  base; sliding-window layers keep theirs), each branch's attention waveform having its troughs at
+  other positions; every decode step runs all branches and the most confident one picks the token
+  (`ldqa.attention.generate.BucketEnsemble`). Full attention only (stored blocks are encoded with the
+  model's base). Cost: len(BUCKET_SCALES) prefills and decodes.
 
 Extra cost per question (k passages, T question tokens): "calibrate" recomputes the T question tokens
 once; the reordering methods rebuild the context once per round (full attention: a full prefill each;
@@ -47,7 +53,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-METHODS = ("none", "calibrate", "calibrate+reorder", "sort")
+METHODS = ("none", "calibrate", "calibrate+reorder", "sort", "buckets")
+# RoPE base multipliers of the global layers, one branch each, for "buckets" (branch 0 is the model as
+# trained). Not tuned: the paper searches bases per model; ours are spread in log scale around 1.
+BUCKET_SCALES = (1.0, 0.5, 2.0)
 
 
 def passage_spans(segments) -> list[tuple[int, int]]:

@@ -25,8 +25,11 @@ class KVCache:
         self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._pos = torch.zeros(capacity, dtype=torch.long, device=device)
-        self._pending = 0
-        self.policy = None  # optional decode-attention policy (RetrievalKV), consulted by global layers  # tokens appended by the forward pass in progress (committed by `advance`)
+        self._pending = 0  # tokens appended by the forward pass in progress (committed by `advance`)
+        self.policy = None  # optional decode-attention policy (RetrievalKV, DebiasKV), consulted by global layers
+        # RoPE base multiplier of the global-attention layers for every key in this cache (1.0: the
+        # model's own base). Attention Buckets (debias="buckets") runs branches with different bases.
+        self.theta_scale = 1.0
 
     @property
     def capacity(self) -> int:

@@ -246,9 +246,12 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._freqs = {}  # (theta, scaling) -> inv_freq float64
 
-    def freqs_for(self, layer: int) -> torch.Tensor:
-        """RoPE inverse frequencies (head_dim/2,) float64 of `layer`."""
+    def freqs_for(self, layer: int, theta_scale: float = 1.0) -> torch.Tensor:
+        """RoPE inverse frequencies (head_dim/2,) float64 of `layer`; `theta_scale` multiplies the RoPE
+        base of global-attention ("full") layers only (Attention Buckets; sliding layers keep theirs)."""
         theta, scaling = self.cfg.theta_for(layer), self.cfg.scaling_for(layer)
+        if theta_scale != 1.0 and self.cfg.layer_types[layer] == "full":
+            theta = theta * theta_scale
         key = (theta, repr(scaling))
         if key not in self._freqs:
             self._freqs[key] = inv_freq(self.cfg.head_dim, theta, scaling)
@@ -276,8 +279,9 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # (b, n, hidden)
         rope = {}
         masks: dict = {}
+        theta_scale = cache.theta_scale if cache is not None else 1.0
         for i, layer in enumerate(self.model.layers[:n_layers]):
-            f = self.freqs_for(i)
+            f = self.freqs_for(i, theta_scale)
             key = id(f)
             if key not in rope:
                 rope[key] = rope_cos_sin(positions, f, x.dtype)

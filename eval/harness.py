@@ -73,7 +73,7 @@ from ldqa.app.api import ATTENTION_MODES, RETRIEVERS
 
 BENCHMARKS = ("nq-multidoc", "kv-retrieval", "niah", "retrieval", "jsonl")
 ENGINES = ATTENTION_MODES + ("hf",)
-DEBIAS_METHODS = ("none", "calibrate", "calibrate+reorder", "sort")  # = ldqa.attention.debias.METHODS
+DEBIAS_METHODS = ("none", "calibrate", "calibrate+reorder", "sort", "buckets")  # = ldqa.attention.debias.METHODS
 NIAH_DEFAULT = {"needle": "The secret ingredient of the Korvel kiln glaze is smoked paprika.",
                 "question": "What is the secret ingredient of the Korvel kiln glaze?", "answers": ["paprika"]}
 DEFAULT_MAX_NEW = {"nq-multidoc": 32, "kv-retrieval": 48, "niah": 16, "retrieval": 32, "jsonl": 64}
@@ -185,9 +185,10 @@ def parse_modes(modes: str, debias: str = "none", retriever: str = "hybrid", ben
         for d in ds:
             if d not in DEBIAS_METHODS:
                 raise ValueError(f"--debias: unknown method {d!r}; choose from {', '.join(DEBIAS_METHODS)}")
-            if att in ("retrieval", "hf") and d != "none":
+            if (att in ("retrieval", "hf") and d != "none") or (d == "buckets" and att != "full"):
                 if own_d:
-                    raise ValueError(f"--modes {item!r}: debiasing does not apply to the {att} mode")
+                    raise ValueError(f"--modes {item!r}: debiasing does not apply to the {att} mode"
+                                     + (" (buckets needs full attention)" if d == "buckets" else ""))
                 d = "none"  # the debias axis collapses for modes it does not apply to
             for r in rs:
                 if r not in RETRIEVERS:

@@ -121,3 +121,45 @@ def test_calibration_passages_come_from_the_bundled_sample(small_tokenizer):
     assert len(ps) == 5 and all(p["text"].strip() for p in ps)
     sample_text = " ".join(p.read_text(errors="ignore") for p in SAMPLE.iterdir() if p.suffix != ".pdf").lower()
     assert ps[0]["text"].split()[0].lower() in sample_text
+
+
+def test_bucket_branch_with_scale_one_is_the_model_and_other_scales_change_only_global_layers(lm):
+    from ldqa.attention.generate import BucketEnsemble
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "What torque for the fan hub bolts?")
+    ids = torch.tensor([seg.ids()])
+    pos = torch.arange(ids.shape[1])
+    plain = lm.model(ids, pos, None)
+    caches = []
+    for s in (1.0, 0.5, 2.0):
+        c = lm.model.new_cache(capacity=ids.shape[1] + 4)
+        c.theta_scale = s
+        caches.append((c, lm.model(ids, pos, c)))
+    torch.testing.assert_close(caches[0][1], plain, atol=1e-5, rtol=0)  # scale 1: the model unchanged
+    assert (caches[1][1] - plain).abs().max() > 1e-5  # another base: other logits (random tiny weights: slightly)
+    cfg = lm.model.cfg
+    first_global = cfg.layer_types.index("full")
+    # layers before the first global layer are untouched by the scale; the first global layer's keys move
+    for layer in range(first_global):
+        torch.testing.assert_close(caches[1][0].keys(layer)[:, :, :ids.shape[1]],
+                                   caches[0][0].keys(layer)[:, :, :ids.shape[1]], atol=1e-6, rtol=0)
+    assert not torch.allclose(caches[1][0].keys(first_global)[:, :, :ids.shape[1]],
+                              caches[0][0].keys(first_global)[:, :, :ids.shape[1]], atol=1e-4)
+    # the ensemble picks the most confident branch, and appends each step to every branch
+    ens = BucketEnsemble(lm.model, [c for c, _ in caches])
+    conf = [float(torch.softmax(x[0, -1], -1).max()) for _, x in caches]
+    best = max(range(3), key=conf.__getitem__)
+    assert torch.equal(ens.pick([x for _, x in caches]), caches[best][1]) and ens.chosen[best] == 1
+    n = ids.shape[1]
+    ens(torch.tensor([[5]]), torch.tensor([n]), caches[0][0])
+    assert all(c.length == n + 1 for c, _ in caches) and sum(ens.chosen) == 2
+
+
+def test_buckets_through_the_api(tiny_qa):
+    ans = tiny_qa.answer("What torque for the fan hub bolts?", PASSAGES, debias="buckets", max_new_tokens=4)
+    assert ans.settings["bucket_scales"] == list(D.BUCKET_SCALES)
+    assert ans.timings["debias_passes"] == len(D.BUCKET_SCALES)
+    assert sum(ans.timings["bucket_steps_chosen"]) == max(1, ans.timings["generated_tokens"])
+    assert [p.title for p in ans.passages] == [p.title for p in PASSAGES]  # order kept
+    with pytest.raises(ValueError, match="buckets"):
+        tiny_qa.answer("q?", PASSAGES, attention="block", debias="buckets")
