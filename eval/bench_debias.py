@@ -43,7 +43,7 @@ def run(qa, records, args) -> dict:
                 for mode in modes:
                     for method in methods:
                         key = (i, pos, mode, method)
-                        if key in done:
+                        if key in done or not _applies(method, mode):
                             continue
                         ans = qa.answer(ex["question"], ex["passages"], attention=mode, debias=method,
                                         max_new_tokens=32)
@@ -57,7 +57,7 @@ def run(qa, records, args) -> dict:
                         f.flush()
     table = {}
     for mode in modes:
-        for method in methods:
+        for method in filter(lambda m: _applies(m, mode), methods):
             rows = [r for r in done.values() if r["attention"] == mode and r["method"] == method and r["i"] in idx]
             by_pos = {p: [r["em"] for r in rows if r["position"] == p] for p in positions}
             acc = {p: (sum(v) / len(v) if v else None) for p, v in by_pos.items()}
@@ -69,7 +69,7 @@ def run(qa, records, args) -> dict:
                 "median_total_ms": statistics.median(r["total_ms"] for r in rows) if rows else None}
     for mode in modes:
         base = table.get(f"{mode}/none")
-        for method in methods:
+        for method in filter(lambda m: _applies(m, mode), methods):
             t = table[f"{mode}/{method}"]
             if base and base["median_total_ms"] and t["median_total_ms"]:
                 t["extra_latency_ms"] = t["median_total_ms"] - base["median_total_ms"]
@@ -78,6 +78,11 @@ def run(qa, records, args) -> dict:
                                                  base["em_by_position"][p] is not None else None)
                                              for p in positions}
     return table
+
+
+def _applies(method: str, mode: str) -> bool:
+    """Attention Buckets re-encode the whole prompt with other RoPE bases: full attention only."""
+    return method != "buckets" or mode == "full"
 
 
 def plot(table: dict, positions: list[int], path: Path, k: int) -> None:
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--positions", default="1,5,10")
     ap.add_argument("--n", type=int, default=200)
-    ap.add_argument("--methods", default="none,calibrate,calibrate+reorder,sort")
+    ap.add_argument("--methods", default="none,calibrate,calibrate+reorder,sort,buckets")
     ap.add_argument("--attention", default="full,block")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
