@@ -30,7 +30,6 @@ from ldqa.app.api import ATTENTION_MODES, RETRIEVERS, LongDocQA
 from ldqa.retrieval.loaders import SUPPORTED_EXTENSIONS
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
-DEBIAS_METHODS = ("none", "calibrate", "calibrate+reorder", "sort")  # = ldqa.attention.debias.METHODS
 ALLOWED_TYPES = "PDF, TXT, MD or HTML"
 INGEST_HEADERS = ["file", "result", "chunks", "details"]
 DOC_HEADERS = ["id", "document", "type", "size", "chunks", "added (UTC)"]
@@ -232,7 +231,7 @@ def timing_line(ans) -> str:
     parts = [f"retrieval {t['retrieval_ms']:.0f} ms", f"TTFT {t['ttft_ms']:,.0f} ms",
              f"{t['tokens_per_s']:.1f} tokens/s",
              f"{t.get('tokens_reused', 0):,}/{t['prompt_tokens']:,} prompt tokens reused from the KV store",
-             f"attention {used}"]
+             f"attention {used}", f"model {Path(s.get('model', '')).name}"]
     if t.get("retrieval_steps"):
         parts.append(f"{t['keys_touched_per_step']:.0f} keys/step ({100 * t['keys_touched_fraction']:.1f}%)")
     if s.get("debias", "none") != "none":
@@ -344,7 +343,10 @@ def run_eval(model, attention, debias, lengths, depths, compare_full, store_dir,
     cfg = EvalConfig(benchmark="niah", data=str(_sample_haystack(out / "haystack")), out=str(out),
                      modes=",".join(modes), model=model, lengths=",".join(map(str, sorted(int(x) for x in lengths))),
                      depths=",".join(map(str, sorted(int(x) for x in depths))), passage_tokens=128, max_new_tokens=16)
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except ValueError as e:  # a setting the harness refuses: say which
+        raise gr.Error(str(e)) from e
     images = [Image.open(out / name).copy() if (out / name).exists() else None
               for name in ("niah_heatmap.png", "ttft_vs_length.png")]
     return summary_markdown(result).replace("# ldqa eval niah", "#### Needle in a haystack (bundled sample)"), *images
@@ -376,6 +378,7 @@ footer { display: none !important; }
 
 def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
     """The Gradio Blocks page over `qa` (shared by every session). Launch it with `launch`."""
+    from ldqa.attention.debias import METHODS as DEBIAS_METHODS
     from ldqa.attention.loader import PACKAGED_MODELS
 
     cfg = cfg or UIConfig(max_new_tokens=qa.max_new_tokens)
