@@ -193,7 +193,9 @@ class BlockRuntime:
         once after the prefix and re-encoded to its offset like a body, so only the question is computed
         fresh (Block-Attention: every block but the last is encoded independently); "fresh": headers are
         computed in the question's pass, attending to everything before them (about 5 fresh tokens per
-        passage: 690 of them at 16K tokens, the main TTFT cost there).
+        passage: 690 of them at 16K tokens, the main TTFT cost there). Fresh headers act as an accuracy
+        recovery switch for plain "block" (they are the only tokens that see across passages besides
+        the question); with recomputation they make no measurable difference (docs/results.md).
         Returns (cache, PrefillStats); with `with_question`, (cache, logits, PrefillStats) (see `prefill`).
         Raises ValueError on an unknown mode or header mode, or a ratio outside [0, 1].
         """
