@@ -361,7 +361,8 @@ class LongDocQA:
         "retrieval" (exact prefill, then each decode step of a global-attention layer attends to the sink,
         the recent window and the top keys an ANN index over the cached keys returns: RetrievalAttention;
         keyword settings `top_k_keys` (an int, or "all" for exact attention), `window`, `sink`, `index`,
-        `scan_fraction` of `ldqa.attention.retrieval_attention.RetrievalConfig`).
+        `scan_fraction`, `follow` (carry-over of the previous step's best keys), `estimate` (the
+        estimation zone for the keys not retrieved) of `ldqa.attention.retrieval_attention.RetrievalConfig`).
         debias: "none", "calibrate" (found-in-the-middle calibrated attention intervention),
         "calibrate+reorder" (also move the most relevant passages to the best-attended slots) or "sort"
         (attention sorting); see `ldqa.attention.debias` (not with attention="retrieval").

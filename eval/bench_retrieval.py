@@ -122,6 +122,13 @@ def _rss_mb() -> float:
 
 # ---------------------------------------------------------------------------------------------- decode
 
+def _rcfg(args, **kw) -> RetrievalConfig:
+    """The run's RetrievalConfig from the command line (kw overrides)."""
+    base = dict(top_k_keys=args.top_k_keys, window=args.window, sink=args.sink, scan_fraction=args.scan_fraction,
+                follow=args.follow, estimate=args.estimate == "on")
+    return RetrievalConfig(**(base | kw))
+
+
 def decode_part(llm, size: int, args) -> dict:
     model, tok, cfg = llm.model, llm.tokenizer, llm.model.cfg
     text_ids = tok.encode(essays(args.data))
@@ -132,11 +139,12 @@ def decode_part(llm, size: int, args) -> dict:
     prefill_s = time.perf_counter() - t0
     glob = [i for i, t in enumerate(cfg.layer_types) if t == "full"]
     scale = cfg.attn_scale
-    rcfg = lambda kind: RetrievalConfig(top_k_keys=args.top_k_keys, window=args.window, sink=args.sink,  # noqa: E731
-                                        index=kind, scan_fraction=args.scan_fraction)
+    rcfg = lambda kind, **kw: _rcfg(args, index=kind, **kw)  # noqa: E731
     runs = {}
     for name, pol in (("full", _Recorder(rcfg("exact"), scale, dense=True)),
                       ("retrieval_aware", with_queries(_Recorder(rcfg("aware"), scale, dense=False), queries)),
+                      ("retrieval_aware_no_follow_no_estimate",
+                       with_queries(_Recorder(rcfg("aware", follow=0, estimate=False), scale, dense=False), queries)),
                       ("retrieval_keys", _Recorder(rcfg("keys"), scale, dense=False))):
         # the full run records too (dense attend), so its step time includes the same hook overhead
         toks, ms = decode(model, cache, first, args.steps, pol)
@@ -237,18 +245,23 @@ def task_part(llm, examples, rows_path: Path, args, max_new: int, scorer) -> dic
         for line in rows_path.read_text().splitlines():
             r = json.loads(line)
             done[(str(r["i"]), r["mode"])] = r
-    rcfg = RetrievalConfig(top_k_keys=args.top_k_keys, window=args.window, sink=args.sink,
-                           scan_fraction=args.scan_fraction)
+    variants = {"retrieval": _rcfg(args)}  # mode -> RetrievalConfig
+    if args.ablate:  # the pieces added to the plain index, each switched off
+        variants |= {"retrieval_no_estimate": _rcfg(args, estimate=False),
+                     "retrieval_no_follow_no_estimate": _rcfg(args, follow=0, estimate=False)}
+    modes = ("full", *variants)
     stop = set(tok.eos_ids) | {t for t in (tok.encode('"')[:1] + tok.encode("\n")[:1])}
     examples = list(examples)
     with open(rows_path, "a") as f:
         for ex in tqdm(examples, desc=rows_path.stem, file=sys.stderr):
-            if all((str(ex["i"]), m) in done for m in ("full", "retrieval")):
+            if all((str(ex["i"]), m) in done for m in modes):
                 continue
             ids = ex["ids"] if "ids" in ex else [tok.bos_id] + tok.encode(ex["prompt"])
             cache, first, queries = prefill(model, ids, args.prefill_chunk, extra=max_new + 8)
-            for mode in ("full", "retrieval"):
-                pol = with_queries(RetrievalKV(rcfg, cfg.attn_scale), queries) if mode == "retrieval" else None
+            for mode in modes:
+                if (str(ex["i"]), mode) in done:
+                    continue
+                pol = with_queries(RetrievalKV(variants[mode], cfg.attn_scale), queries) if mode != "full" else None
                 toks, ms = decode(model, cache, first, max_new, pol, stop_ids=stop)
                 pred = tok.decode(toks)
                 row = {"i": ex["i"], "mode": mode, "context_tokens": len(ids), "prediction": pred,
@@ -260,11 +273,14 @@ def task_part(llm, examples, rows_path: Path, args, max_new: int, scorer) -> dic
                 f.write(json.dumps(row) + "\n")
                 f.flush()
             del cache
-    rows = [done[(str(ex["i"]), m)] for ex in examples for m in ("full", "retrieval") if (str(ex["i"]), m) in done]
+    rows = [done[(str(ex["i"]), m)] for ex in examples for m in modes if (str(ex["i"]), m) in done]
     summary = {}
-    for m in ("full", "retrieval"):
+    for m in modes:
         rs = [r for r in rows if r["mode"] == m]
         summary[m] = {"n": len(rs), "accuracy": sum(r["correct"] for r in rs) / max(1, len(rs))}
+        touched = [r["keys_touched_fraction"] for r in rs if "keys_touched_fraction" in r]
+        if touched:
+            summary[m]["keys_touched_fraction"] = statistics.mean(touched)
     both = {str(r["i"]) for r in rows if r["mode"] == "full"} & {str(r["i"]) for r in rows if r["mode"] == "retrieval"}
     pred = {(str(r["i"]), r["mode"]): r["prediction"] for r in rows}
     summary["same_prediction_fraction"] = sum(pred[(i, "full")] == pred[(i, "retrieval")] for i in both) / max(1, len(both))
@@ -285,6 +301,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--scan-fraction", type=float, default=0.02)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--ablate", action="store_true",
+                    help="kv/niah: also decode with the estimation zone off, and with follow and estimate off")
+    ap.add_argument("--follow", type=int, default=RetrievalConfig.follow,
+                    help="carry-over of the previous step's best slots and their successors (0 = off)")
+    ap.add_argument("--estimate", choices=["on", "off"], default="on" if RetrievalConfig.estimate else "off",
+                    help="the estimation zone (cluster centroids for the keys not retrieved)")
     ap.add_argument("--kv-files", default="kv-retrieval-75_keys.jsonl.gz,kv-retrieval-140_keys.jsonl.gz")
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--niah-sizes", default="4096,8192,16384")
@@ -299,7 +321,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     llm = load_model(args.model)
     result = {"model": llm.name, "threads": torch.get_num_threads(), "settings": {
-        k: getattr(args, k) for k in ("top_k_keys", "window", "sink", "scan_fraction", "prefill_chunk", "seed")}}
+        k: getattr(args, k) for k in ("top_k_keys", "window", "sink", "scan_fraction", "follow", "estimate",
+                                     "prefill_chunk", "seed")}}
     if args.part == "decode":
         result["decode"] = [decode_part(llm, int(s), args) for s in args.sizes.split(",")]
     elif args.part == "kv":

@@ -54,7 +54,7 @@ def test_partial_retrieval_attends_exactly_to_sink_recent_and_retrieved():
     k, v = torch.randn(1, hkv, L, d), torch.randn(1, hkv, L, d)
     q = torch.randn(1, hq, 1, d)
     cfg = RetrievalConfig(top_k_keys=20, window=16, sink=4, index="keys", scan_fraction=0.2, cluster_size=16,
-                          min_indexed=16)
+                          min_indexed=16, estimate=False, follow=0)
     pol = RetrievalKV(cfg, scale)
     out = pol.attend(0, q, k, v)
     st = pol._layers[0]
@@ -69,6 +69,79 @@ def test_partial_retrieval_attends_exactly_to_sink_recent_and_retrieved():
             torch.testing.assert_close(out[0, h * (hq // hkv) + g, 0], p @ v[0, h, sel], atol=1e-5, rtol=0)
     assert pol.stats.keys_attended == 4 + 16 + 20
     assert 0 < pol.stats.keys_touched < L * hkv
+
+
+def _full(q, k, v, scale):
+    """Exact attention of one decode step: q (1, hq, 1, d), k/v (1, hkv, L, d) -> (1, hq, 1, d)."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return torch.softmax(q @ kk.transpose(-1, -2) * scale, dim=-1) @ vv
+
+
+def test_estimation_zone_is_exact_with_one_key_per_cluster():
+    """With one key per IVF cluster, a centroid IS its key: sink + recent + retrieved + estimate must
+    equal full attention for any top_k (the estimate covers exactly the keys not retrieved)."""
+    torch.manual_seed(3)
+    hq, hkv, L, d, scale = 4, 2, 300, 16, 16 ** -0.5
+    k, v, q = torch.randn(1, hkv, L, d), torch.randn(1, hkv, L, d), torch.randn(1, hq, 1, d)
+    cfg = RetrievalConfig(top_k_keys=10, window=16, sink=4, index="keys", scan_fraction=0.05, cluster_size=1,
+                          min_indexed=16, estimate=True, follow=0)
+    pol = RetrievalKV(cfg, scale)
+    out = pol.attend(0, q, k, v)
+    torch.testing.assert_close(out, _full(q, k, v, scale), atol=1e-5, rtol=0)
+    no_est = RetrievalKV(RetrievalConfig(**{**cfg.__dict__, "estimate": False}), scale).attend(0, q, k, v)
+    assert (no_est - _full(q, k, v, scale)).abs().max() > 1e-3  # without it the top-10 alone is not exact
+
+
+def test_estimation_zone_brings_clustered_keys_closer_to_full_attention():
+    """Keys in loose clusters, diffuse attention (the Gemma 3 270M global-layer situation): adding the
+    estimate to the retrieved top-k lowers the error against full attention."""
+    torch.manual_seed(4)
+    hq, hkv, d, scale, n_c, per = 2, 1, 32, 32 ** -0.5, 40, 50
+    centers = torch.randn(n_c, d) * 2
+    k = (centers[:, None] + 0.3 * torch.randn(n_c, per, d)).reshape(1, 1, -1, d)
+    v = (torch.randn(n_c, 1, d) + 0.1 * torch.randn(n_c, per, d)).reshape(1, 1, -1, d)
+    errs = {}
+    for est in (False, True):
+        e = []
+        for t in range(10):
+            q = torch.randn(1, hq, 1, d)
+            cfg = RetrievalConfig(top_k_keys=50, window=8, sink=2, index="keys", scan_fraction=0.05,
+                                  cluster_size=per, min_indexed=16, estimate=est, follow=0)
+            out = RetrievalKV(cfg, scale).attend(0, q, k, v)
+            e.append(float((out - _full(q, k, v, scale)).norm() / _full(q, k, v, scale).norm()))
+        errs[est] = sum(e) / len(e)
+    assert errs[True] < 0.5 * errs[False], errs
+
+
+def test_follow_carries_the_previous_steps_best_slots_and_successors(monkeypatch):
+    """follow = m: the next search gets the previous step's m best retrieved slots and slot + 1 of each
+    as extra candidates (copying heads move one token per step); a rebuild clears the carry-over; a
+    prior slot is scored even when the index itself would never return it."""
+    torch.manual_seed(5)
+    hq, hkv, L, d, scale = 2, 1, 400, 16, 0.25
+    k, v = torch.randn(1, hkv, L, d), torch.randn(1, hkv, L, d)
+    cfg = RetrievalConfig(top_k_keys=4, window=8, sink=2, index="keys", scan_fraction=0.01, cluster_size=20,
+                          min_indexed=16, estimate=False, follow=2)
+    pol = RetrievalKV(cfg, scale)
+    seen = []
+    orig = KeyIndex.search
+    monkeypatch.setattr(KeyIndex, "search", lambda self, q, kk, prior=None: seen.append(prior) or orig(self, q, kk, prior))
+    q = torch.randn(1, hq, 1, d)
+    pol.attend(0, q, k, v)
+    first = pol._layers[0].prev.clone()  # (1, 2)
+    pol.attend(0, q, k, v)
+    assert seen[0] is None
+    assert seen[1].tolist() == [first[0].tolist() + (first[0] + 1).tolist()]
+    # a prior slot enters the result when its key is what the query attends to
+    idx = pol._layers[0].index
+    target = 123
+    qq = (k[0, 0, target] * 50)[None].repeat(hq, 1)  # (hq, d) aimed at slot 123's key
+    assert orig(idx, qq, 4, torch.tensor([[target]])).slots[0, 0] == target
+    # new prefill -> stale -> rebuild: no carry-over from the old context
+    pol.observe_prefill(0, torch.randn(1, hq, 5, d))
+    pol.attend(0, q, k, v)
+    assert seen[-1] is None
 
 
 def test_index_rebuilt_after_growth_and_after_new_prefill(lm):
