@@ -59,7 +59,8 @@ class RetrievalConfig:
     follow: carry-over candidates per KV head: the previous step's `follow` best retrieved slots and their
         successors (0 = off; adds up to 2 * follow touched keys per step);
     estimate: add the estimation zone (cluster centroids stand in for the keys not retrieved; RetroInfer)
-        to the merge; costs scoring the centroids (indexed keys / cluster_size per KV head) each step.
+        to the merge; costs scoring the centroids (indexed keys / cluster_size per KV head) each step. Off by
+        default: at 32K tokens it cost 0.8% more keys touched and ~1.5x the attention time (docs/results.md).
     Raises ValueError on out-of-range settings.
     """
 
@@ -70,7 +71,7 @@ class RetrievalConfig:
     scan_fraction: float = 0.02
     cluster_size: int = 128
     min_indexed: int = 2048
-    estimate: bool = True
+    estimate: bool = False
     follow: int = 8
 
     def __post_init__(self):

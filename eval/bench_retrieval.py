@@ -247,7 +247,8 @@ def task_part(llm, examples, rows_path: Path, args, max_new: int, scorer) -> dic
             done[(str(r["i"]), r["mode"])] = r
     variants = {"retrieval": _rcfg(args)}  # mode -> RetrievalConfig
     if args.ablate:  # the pieces added to the plain index, each switched off
-        variants |= {"retrieval_no_estimate": _rcfg(args, estimate=False),
+        flip = "off" if args.estimate == "on" else "on"
+        variants |= {f"retrieval_estimate_{flip}": _rcfg(args, estimate=flip == "on"),
                      "retrieval_no_follow_no_estimate": _rcfg(args, follow=0, estimate=False)}
     modes = ("full", *variants)
     stop = set(tok.eos_ids) | {t for t in (tok.encode('"')[:1] + tok.encode("\n")[:1])}
@@ -302,7 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scan-fraction", type=float, default=0.02)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--ablate", action="store_true",
-                    help="kv/niah: also decode with the estimation zone off, and with follow and estimate off")
+                    help="kv/niah: also decode with the estimation zone switched the other way, and with follow and "
+                         "estimate both off")
     ap.add_argument("--follow", type=int, default=RetrievalConfig.follow,
                     help="carry-over of the previous step's best slots and their successors (0 = off)")
     ap.add_argument("--estimate", choices=["on", "off"], default="on" if RetrievalConfig.estimate else "off",
