@@ -27,8 +27,8 @@ Step carry-over (`follow`): the previous step's best `follow` retrieved slots an
 (slot + 1) are scored as candidates too. Copying heads (induction heads, Olsson et al. 2022) attend to
 the token after the one they attended to a step before; these keys are out of distribution for the
 question's queries the aware index is built from, and on the key-value retrieval task the index alone
-missed the copied value's tokens (carrying up to half the attention mass) in 4.5% of the steps; with
-follow = 8 it missed none (docs/results.md, issue 5).
+missed the exact top-1 key (a copied value's token, carrying up to half the attention mass) in 13 of
+64 copy steps; with follow = 8 in 5 (6 recorded examples; docs/results.md, issue 5).
 
 Only layers with global attention use it (every layer of SmolLM2; Gemma 3's global layers, whose local
 layers keep their sliding window). The policy (what is indexed, what is retrieved) is `RetrievalKV`; the
