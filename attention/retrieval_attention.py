@@ -20,8 +20,9 @@ parts (sink + recent, retrieved) are disjoint, so merging them by LSE is exact a
 With `estimate=True` a third part joins the merge: the estimation zone (RetroInfer, section 4), an
 approximation of the attention the indexed keys *outside* the retrieved set would get, from the IVF
 clusters' centroids, counts and value sums (`KeyIndex.estimate`). Gemma 3 270M's global layers attend
-diffusely (the exact top-100 keys carry 65-73% of the mass), so without it the renormalized top-k
-attention drifts from full attention within a few tokens.
+diffusely (the exact top-100 keys carry 65-73% of the mass); the estimate puts an approximation of the
+rest back. Measured: on key-value retrieval it brought 93 of 100 answers to full attention's text (91
+without it); at 32K neither variant kept full attention's text past ~8 tokens.
 
 Step carry-over (`follow`): the previous step's best `follow` retrieved slots and their successors
 (slot + 1) are scored as candidates too. Copying heads (induction heads, Olsson et al. 2022) attend to
