@@ -226,13 +226,17 @@ class KeyIndex:
             cand, touched, cscore = head.candidates(qg[h], self.cfg, self.scale, k)
             cscores.append(cscore)
             if prior is not None:
-                extra = prior[h] - self.base
-                extra = extra[(extra >= 0) & (extra < self.n)]
+                extra = self._local(prior[h])
                 cand, touched = torch.cat([cand, extra]).unique(), touched + len(extra)
             scanned += touched
             p = torch.softmax(qg[h] @ self.keys[h, cand].T * self.scale, dim=-1).sum(0)  # (m,)
             rows.append(cand[p.topk(min(k, len(cand))).indices] + self.base)
         return SearchResult(torch.stack([_pad(r[None], k)[0] for r in rows]), scanned, cscores)
+
+    def _local(self, slots: torch.Tensor) -> torch.Tensor:
+        """Cache slots (m,) -> key ids in this index, dropping -1 padding and slots outside it."""
+        ids = slots - self.base
+        return ids[(ids >= 0) & (ids < self.n)]
 
     @property
     def can_estimate(self) -> bool:
@@ -260,8 +264,7 @@ class KeyIndex:
         qg = q.float().view(hkv, -1, d)  # (hkv, g, d)
         outs, lses, touched = [], [], 0
         for h, head in enumerate(self.heads):
-            ids = slots[h] - self.base
-            ids = ids[(ids >= 0) & (ids < self.n)]
+            ids = self._local(slots[h])
             counts, vsum = head.counts.float(), head.vsum
             if len(ids):
                 a = head.assign[ids]
