@@ -197,15 +197,28 @@ class KeyIndex:
                 qs = queries.float()[:, -cfg.max_queries:].reshape(hkv, -1, d)  # (hkv, g*m, d) per KV head
             self.heads = [_HeadIndex(self.keys[h], None if qs is None else qs[h], cfg, scale,
                                      None if values is None else values[h]) for h in range(hkv)]
+            # the heads' structures stacked, so that one search serves every KV head (same n, same c)
+            self.centroids = torch.stack([h.centroids for h in self.heads])  # (hkv, c, d)
+            self.assign = torch.stack([h.assign for h in self.heads])  # (hkv, n)
+            self.counts = torch.stack([h.counts for h in self.heads])  # (hkv, c)
+            self.queries = self.links = None
+            if self.heads[0].queries is not None:
+                self.queries = torch.stack([h.queries for h in self.heads])  # (hkv, m, d) unit norm
+                self.links = torch.stack([h.links for h in self.heads])  # (hkv, m, link_k)
+            for i, h in enumerate(self.heads):  # the heads keep views (estimate and the per-head reference)
+                h.centroids, h.assign, h.counts = self.centroids[i], self.assign[i], self.counts[i]
+                if self.queries is not None:
+                    h.queries, h.links = self.queries[i], self.links[i]
         self.build_ms = (time.perf_counter() - t0) * 1000
 
     def nbytes(self) -> int:
         """Bytes the index adds beside the KV cache (centroids, lists, stored queries, links); the keys
         themselves are read from the cache (a float32 copy only when the cache is not float32)."""
-        ts = [t for h in self.heads for t in (h.centroids, h.assign, h.order, h.counts, h.offsets, h.queries,
-                                              h.links, h.vsum)
-              if t is not None]
-        return sum(t.numel() * t.element_size() for t in ts)
+        if not self.heads:
+            return 0
+        ts = [self.centroids, self.assign, self.counts, self.queries, self.links]
+        ts += [t for h in self.heads for t in (h.order, h.offsets, h.vsum)]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def search(self, q: torch.Tensor, k: int, prior: torch.Tensor | None = None) -> SearchResult:
         """Top-k cache slots per KV head for one decode step.
@@ -215,23 +228,66 @@ class KeyIndex:
             (the caller's carry-over from the previous step, see `RetrievalConfig.follow`); -1 and slots
             outside the index are ignored; each valid one counts as touched.
         Returns SearchResult(slots (kv_heads, k) int64 with -1 padding, scanned = vectors touched).
+
+        All KV heads are searched at once (candidate sets as boolean masks over the keys, padded
+        gathers for the exact scores): the same candidates and ranking as `_HeadIndex.candidates` head by
+        head, without a Python loop over heads (SmolLM2 has 3 KV heads in each of 30 layers).
         """
         hkv, n, d = self.keys.shape
         qg = q.float().view(hkv, -1, d)  # (hkv, g, d)
         if not self.heads:
             top = exact_top_k(q, self.keys, k, self.scale)  # (hkv, k')
             return SearchResult(_pad(top + self.base, k), hkv * n)
-        rows, scanned, cscores = [], 0, []
-        for h, head in enumerate(self.heads):
-            cand, touched, cscore = head.candidates(qg[h], self.cfg, self.scale, k)
-            cscores.append(cscore)
-            if prior is not None:
-                extra = self._local(prior[h])
-                cand, touched = torch.cat([cand, extra]).unique(), touched + len(extra)
-            scanned += touched
-            p = torch.softmax(qg[h] @ self.keys[h, cand].T * self.scale, dim=-1).sum(0)  # (m,)
-            rows.append(cand[p.topk(min(k, len(cand))).indices] + self.base)
-        return SearchResult(torch.stack([_pad(r[None], k)[0] for r in rows]), scanned, cscores)
+        mask, touched, cscores = self._candidates(qg, k)  # (hkv, n + 1) bool; column n is a dump slot
+        if prior is not None:
+            ids = prior - self.base  # (hkv, m)
+            valid = (ids >= 0) & (ids < n)
+            touched = touched + valid.sum(1)
+            mask.scatter_(1, torch.where(valid, ids, n), True)
+        cand, ok = _padded_ids(mask[:, :n].contiguous())  # (hkv, M) key ids, (hkv, M) bool
+        kc = _rows(self.keys, cand)  # (hkv, M, d)
+        s = (qg @ kc.transpose(1, 2) * self.scale).masked_fill(~ok[:, None], float("-inf"))  # (hkv, g, M)
+        p = torch.softmax(s, dim=-1).sum(1)  # (hkv, M)
+        top = p.topk(min(k, cand.shape[1]), dim=-1).indices  # (hkv, k')
+        slots = torch.where(ok.gather(1, top), cand.gather(1, top) + self.base, -1)
+        return SearchResult(_pad(slots, k), int(touched.sum()), cscores)
+
+    def _candidates(self, qg: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """Every head's candidate keys. qg: (hkv, g, d). Returns (mask (hkv, n + 1) bool over key ids
+        with a spare last column, touched (hkv,) int64, centroid scores per head ((g, c) or None)).
+        Budget and order as `_HeadIndex.candidates`: query links first, then IVF clusters by the
+        group's summed softmax until scan_fraction of the keys (at least k) is reached."""
+        hkv, n, _ = self.keys.shape
+        cfg, c = self.cfg, self.centroids.shape[1]
+        budget = max(1, int(cfg.scan_fraction * n), k)
+        cscores: list = [None] * hkv
+        mask = torch.zeros(hkv, n + 1, dtype=torch.bool)
+        if budget >= n:  # the budget covers every key: a full scan
+            mask[:, :n] = True
+            return mask, torch.full((hkv,), n, dtype=torch.long), cscores
+        touched = torch.zeros(hkv, dtype=torch.long)
+        if self.queries is not None:
+            qn = qg / qg.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (hkv, g, d)
+            sim = qn @ self.queries.transpose(1, 2)  # (hkv, g, m)
+            near = sim.topk(min(cfg.route, sim.shape[2]), dim=-1).indices.flatten(1)  # (hkv, g*route)
+            linked = _rows(self.links, near)  # (hkv, g*route, link_k)
+            mask.scatter_(1, linked.flatten(1), True)
+            touched += self.queries.shape[1]
+        left = budget - mask.sum(1)  # (hkv,)
+        need = (left > 0).nonzero().flatten()  # heads whose budget the links did not fill
+        if len(need):
+            cs = qg.index_select(0, need) @ self.centroids.index_select(0, need).transpose(1, 2) * self.scale
+            ranked = torch.softmax(cs, dim=-1).sum(1).argsort(dim=-1, descending=True)  # cs: (h', g, c)
+            cum = self.counts.index_select(0, need).gather(1, ranked).cumsum(1)  # (h', c) keys in the best r+1
+            n_take = (cum < left[need, None]).sum(1, keepdim=True) + 1  # (h', 1) clusters scanned
+            take = torch.zeros(hkv, c, dtype=torch.bool)  # (hkv, c) by cluster; rows outside `need` stay False
+            take[need] = torch.zeros(len(need), c, dtype=torch.bool).scatter_(
+                1, ranked, torch.arange(c).expand(len(need), -1) < n_take)
+            mask[:, :n] |= take.gather(1, self.assign)  # (hkv, n) keys of the taken clusters
+            touched[need] += c
+            for i, h in enumerate(need.tolist()):
+                cscores[h] = cs[i]
+        return mask, touched + mask.sum(1), cscores
 
     def _local(self, slots: torch.Tensor) -> torch.Tensor:
         """Cache slots (m,) -> key ids in this index, dropping -1 padding and slots outside it."""
@@ -283,6 +339,28 @@ class KeyIndex:
             outs.append(w @ mean_v)
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses), touched
+
+
+def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x (h, n, *rest), idx (h, m) int64 -> x[i, idx[i]] stacked: (h, m, *rest). One index_select over the
+    flattened rows (advanced indexing and gather with an expanded index are several times slower on CPU)."""
+    h, n = x.shape[:2]
+    flat = (idx + torch.arange(h)[:, None] * n).flatten()  # (h*m,)
+    return x.reshape(h * n, *x.shape[2:]).index_select(0, flat).view(*idx.shape, *x.shape[2:])
+
+
+def _padded_ids(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask (h, n) bool -> (ids (h, M) int64, ok (h, M) bool): each row's True columns in ascending order,
+    padded with id 0 / ok False up to M = the largest row count."""
+    counts = mask.sum(1)  # (h,)
+    rows, cols = mask.nonzero(as_tuple=True)  # row-major: rows ascending, cols ascending within a row
+    start = torch.cumsum(counts, 0) - counts  # (h,)
+    pos = torch.arange(len(rows)) - start[rows]
+    m = max(1, int(counts.max()))
+    ids = torch.zeros(mask.shape[0], m, dtype=torch.long)
+    ok = torch.zeros(mask.shape[0], m, dtype=torch.bool)
+    ids[rows, pos], ok[rows, pos] = cols, True
+    return ids, ok
 
 
 def _pad(idx: torch.Tensor, k: int) -> torch.Tensor:

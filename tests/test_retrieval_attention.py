@@ -213,6 +213,46 @@ def test_aware_index_uses_query_links():
     assert recall_at_k(plain.search(q, 20).slots, exact_top_k(q, keys, 20, 1.0)) < 1.0
 
 
+def _search_head_by_head(idx, q, k, prior=None):
+    """The search written plainly, one KV head at a time (`_HeadIndex.candidates`, then the prior, then the
+    group-summed softmax over the candidates): the reference for the batched `KeyIndex.search`."""
+    hkv, n, d = idx.keys.shape
+    qg = q.float().view(hkv, -1, d)
+    rows, scanned = [], 0
+    for h, head in enumerate(idx.heads):
+        cand, touched, _ = head.candidates(qg[h], idx.cfg, idx.scale, k)
+        if prior is not None:
+            extra = idx._local(prior[h])
+            cand, touched = torch.cat([cand, extra]).unique(), touched + len(extra)
+        scanned += touched
+        p = torch.softmax(qg[h] @ idx.keys[h, cand].T * idx.scale, dim=-1).sum(0)
+        top = cand[p.topk(min(k, len(cand))).indices] + idx.base
+        rows.append(torch.nn.functional.pad(top, (0, k - len(top)), value=-1))
+    return torch.stack(rows), scanned
+
+
+@pytest.mark.parametrize("kind", ["aware", "keys"])
+@pytest.mark.parametrize("scan_fraction", [0.005, 0.05, 1.0])
+def test_batched_search_equals_head_by_head(kind, scan_fraction):
+    """One search over all KV heads (masks and padded gathers) returns the same slots and counts the same
+    touched vectors as the per-head search, with GQA groups of 3, a carry-over prior with padding and
+    out-of-index slots, budgets that the query links fill or not, and a k above the candidate count."""
+    torch.manual_seed(3)
+    hkv, g, n, d, base = 3, 3, 1500, 16, 4
+    keys = torch.randn(hkv, n, d) * torch.rand(hkv, 1, 1) * 3
+    qs = torch.randn(hkv * g, 40, d) * 2 if kind == "aware" else None
+    cfg = KeyIndexConfig(kind=kind, cluster_size=30, scan_fraction=scan_fraction, link_k=20, route=2)
+    idx = KeyIndex(keys, base, cfg, 0.25, queries=qs)
+    prior = torch.tensor([[-1, 5, 6, 7, base + n + 3, 2], [10, 11, -1, -1, 100, 100], [4, 4, 1499, 1503, 1504, 0]])
+    for step in range(4):
+        q = torch.randn(hkv * g, d) * 2
+        for k, pr in ((50, None), (50, prior), (1600, prior)):
+            res = idx.search(q, k, pr)
+            ref, scanned = _search_head_by_head(idx, q, k, pr)
+            assert torch.equal(res.slots, ref), (step, k)
+            assert res.scanned == scanned
+
+
 @pytest.mark.slow
 def test_recall_on_real_gemma_queries_and_keys(shared_data):
     """Real queries/keys: Gemma 3 270M, ~6K tokens of essays + a question, 8 greedy decode steps. The
