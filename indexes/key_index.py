@@ -342,11 +342,10 @@ class KeyIndex:
 
 
 def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x (h, n, *rest), idx (h, m) int64 -> x[i, idx[i]] stacked: (h, m, *rest). One index_select over the
-    flattened rows (advanced indexing and gather with an expanded index are several times slower on CPU)."""
-    h, n = x.shape[:2]
-    flat = (idx + torch.arange(h)[:, None] * n).flatten()  # (h*m,)
-    return x.reshape(h * n, *x.shape[2:]).index_select(0, flat).view(*idx.shape, *x.shape[2:])
+    """x (h, n, *rest), idx (h, m) int64 -> x[i, idx[i]] stacked: (h, m, *rest). One index_select per head
+    (x may be a strided view of the KV cache: no copy of it; advanced indexing and gather with an expanded
+    index are several times slower on CPU)."""
+    return torch.stack([x[i].index_select(0, idx[i]) for i in range(idx.shape[0])])
 
 
 def _padded_ids(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

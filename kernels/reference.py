@@ -152,9 +152,9 @@ def _sparse_decode(q, k_cache, v_cache, kv, causal, indices, sink, window, scale
     idx = torch.cat(zones, dim=2).sort(dim=2).values  # (b, hkv, m)
     ok = (idx >= 0) & (idx < kvl)  # (b, hkv, m)
     ok[:, :, 1:] &= idx[:, :, 1:] != idx[:, :, :-1]  # duplicates count once
-    safe = idx.clamp(0, cache_len - 1)[..., None].expand(-1, -1, -1, d)  # (b, hkv, m, d)
-    k_sel = torch.gather(k_cache, 2, safe).float()  # (b, hkv, m, d)
-    v_sel = torch.gather(v_cache, 2, safe).float()  # (b, hkv, m, d)
+    safe = idx.clamp(0, cache_len - 1)  # (b, hkv, m)
+    k_sel = _select_slots(k_cache, safe).float()  # (b, hkv, m, d)
+    v_sel = _select_slots(v_cache, safe).float()  # (b, hkv, m, d)
     mask = ok[:, :, None, :].expand(b, hkv, n_q, idx.shape[2])  # (b, hkv, n_q, m)
     if causal:
         last = kvl[..., None] - n_q + torch.arange(n_q, device=dev)[None, None, :, None]  # (b, 1, n_q, 1)
@@ -162,6 +162,14 @@ def _sparse_decode(q, k_cache, v_cache, kv, causal, indices, sink, window, scale
     qf = q.float().reshape(b, hkv, hq // hkv, n_q, d)  # (b, hkv, g, n_q, d)
     o, l = _masked_attention(qf, k_sel, v_sel, mask[:, :, None], common.resolve_scale(scale, d))
     return o.reshape(b, hq, n_q, d).to(q.dtype), l.reshape(b, hq, n_q)
+
+
+def _select_slots(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """cache (b, hkv, L, d), idx (b, hkv, m) int64 in [0, L) -> (b, hkv, m, d): one index_select per
+    (sequence, KV head); torch.gather with an expanded index is about 5x slower on the CPU."""
+    b, hkv, m = idx.shape
+    rows = [cache[i, h].index_select(0, idx[i, h]) for i in range(b) for h in range(hkv)]  # each (m, d)
+    return torch.stack(rows).view(b, hkv, m, cache.shape[-1])
 
 
 def merge_lse(
