@@ -347,7 +347,10 @@ def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x (h, n, *rest), idx (h, m) int64 -> x[i, idx[i]] stacked: (h, m, *rest). One index_select per head
     (x may be a strided view of the KV cache: no copy of it; advanced indexing and gather with an expanded
     index are several times slower on CPU)."""
-    return torch.stack([x[i].index_select(0, idx[i]) for i in range(idx.shape[0])])
+    out = torch.empty(*idx.shape, *x.shape[2:], dtype=x.dtype, device=x.device)
+    for i in range(idx.shape[0]):  # written in place: torch.stack would copy every row a second time
+        torch.index_select(x[i], 0, idx[i], out=out[i])
+    return out
 
 
 def _padded_ids(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -168,8 +168,11 @@ def _select_slots(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """cache (b, hkv, L, d), idx (b, hkv, m) int64 in [0, L) -> (b, hkv, m, d): one index_select per
     (sequence, KV head); torch.gather with an expanded index is about 5x slower on the CPU."""
     b, hkv, m = idx.shape
-    rows = [cache[i, h].index_select(0, idx[i, h]) for i in range(b) for h in range(hkv)]  # each (m, d)
-    return torch.stack(rows).view(b, hkv, m, cache.shape[-1])
+    out = torch.empty(b, hkv, m, cache.shape[-1], dtype=cache.dtype, device=cache.device)
+    for i in range(b):
+        for h in range(hkv):  # in place: torch.stack would copy the rows a second time
+            torch.index_select(cache[i, h], 0, idx[i, h], out=out[i, h])
+    return out
 
 
 def merge_lse(
