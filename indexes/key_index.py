@@ -128,13 +128,10 @@ class _HeadIndex:
         c = max(1, n // cfg.cluster_size)
         self.centroids, assign = _kmeans(keys, c, cfg.kmeans_iters, cfg.seed)  # (c, d), (n,)
         self.assign = assign
-        self.order = torch.argsort(assign)  # key ids grouped by cluster
         self.counts = torch.bincount(assign, minlength=len(self.centroids))  # (c,)
         self.vsum = None  # (c, d_v) float32: the estimation zone's value sums
         if values is not None:
             self.vsum = torch.zeros(len(self.centroids), values.shape[-1]).index_add_(0, assign, values.float())
-        self.offsets = torch.zeros(len(self.centroids) + 1, dtype=torch.long)
-        self.offsets[1:] = self.counts.cumsum(0)
         self.queries = self.links = None
         if queries is not None and len(queries):
             s = queries @ keys.T * scale  # (m, n)
@@ -163,7 +160,7 @@ class _HeadIndex:
             ranked = score.argsort(descending=True)
             cum = self.counts[ranked].cumsum(0)
             take = ranked[: int((cum < left).sum()) + 1].tolist()
-            parts += [self.order[self.offsets[c]:self.offsets[c + 1]] for c in take]
+            parts.append(torch.isin(self.assign, torch.tensor(take)).nonzero().flatten())  # their keys
         cand = torch.cat(parts).unique() if len(parts) > 1 else parts[0]
         return cand, touched + len(cand), cscore
 
@@ -218,7 +215,7 @@ class KeyIndex:
         if not self.heads:
             return 0
         ts = [self.centroids, self.assign, self.counts, self.queries, self.links]
-        ts += [t for h in self.heads for t in (h.order, h.offsets, h.vsum)]
+        ts += [h.vsum for h in self.heads]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def search(self, q: torch.Tensor, k: int, prior: torch.Tensor | None = None) -> SearchResult:
