@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ldqa.app.citations import Citation, cite
-from ldqa.app.prompt import STOP_STRINGS, build_prompt
+from ldqa.app.prompt import STOP_STRINGS, build_prompt, check_prompt_options
 
 log = logging.getLogger(__name__)
 
@@ -343,14 +343,16 @@ class LongDocQA:
 
     def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
             max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
-            block_headers: str | None = None, **retrieval) -> Answer:
+            block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
+            **retrieval) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
         return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio, debias,
-                           block_headers, **retrieval).result()
+                           block_headers, instruction, answer_prefix, **retrieval).result()
 
     def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
                max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
-               block_headers: str | None = None, **retrieval) -> AnswerStream:
+               block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
+               **retrieval) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
@@ -368,10 +370,14 @@ class LongDocQA:
         (attention sorting); see `ldqa.attention.debias` (not with attention="retrieval").
         block_headers: "cached" (default; each "Passage [n]" header is a reused block, only the question
         is computed fresh) or "fresh" (headers computed with the question, attending to all before them).
-        Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting),
-        EmptyCollectionError (nothing ingested yet).
+        instruction: the prompt's instruction (default `ldqa.app.prompt.INSTRUCTION`); answer_prefix: the
+        start of the answer, after "Answer:" (e.g. 'Corresponding value: "' for key-value retrieval); the
+        answer's text is the model's continuation of it (see `ldqa.app.prompt.build_prompt`).
+        Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting,
+        instruction/answer_prefix not strings), EmptyCollectionError (nothing ingested yet).
         """
         _check_question(question, top_k, retriever)
+        check_prompt_options(instruction, answer_prefix)
         _check_attention(attention, recompute_ratio, block_headers)
         rcfg = _retrieval_config(attention, retrieval)
         _check_debias(debias, attention)
@@ -380,31 +386,32 @@ class LongDocQA:
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
         settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "retrieval_config": rcfg,
-                    "block_headers": block_headers}
+                    "block_headers": block_headers, **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
                                    retrieval_ms, settings, t0)
 
     def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
                recompute_ratio: float | None = None, debias: str = "none", block_headers: str | None = None,
-               **retrieval) -> Answer:
+               instruction: str | None = None, answer_prefix: str = "", **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
 
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
         `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
         passages without a chunk_id are stored but not tied to a document. `attention` and the retrieval
-        settings as in `stream`.
+        settings, `instruction` and `answer_prefix` as in `stream`.
         """
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question is empty: ask something")
         if not passages:
             raise ValueError("passages is empty: give at least one passage")
         _check_attention(attention, recompute_ratio, block_headers)
+        check_prompt_options(instruction, answer_prefix)
         rcfg = _retrieval_config(attention, retrieval)
         _check_debias(debias, attention)
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
         settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg, "debias": debias,
-                    "block_headers": block_headers}
+                    "block_headers": block_headers, **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
                                    settings, time.perf_counter()).result()
 
@@ -499,7 +506,7 @@ class LongDocQA:
         import torch
 
         llm = self.llm
-        prompt = build_prompt(llm.tokenizer, passages, question)
+        prompt = _build_prompt(llm.tokenizer, passages, question, settings)
         if mode in ("full", "retrieval"):
             ids = prompt.ids()
             cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
@@ -519,7 +526,7 @@ class LongDocQA:
         from ldqa.attention.debias import DebiasKV, passage_mass, passage_spans
 
         llm = self.llm
-        n_q = len(build_prompt(llm.tokenizer, passages[:1], question).question)
+        n_q = len(_build_prompt(llm.tokenizer, passages[:1], question, settings).question)
         rec = DebiasKV(n_record=n_q, scale=llm.model.cfg.attn_scale)
         ctx = self._build_context(passages, question, mode, settings, max_new, rec)
         ctx.cache.policy = None
@@ -559,7 +566,7 @@ class LongDocQA:
         t0 = time.perf_counter()
         llm = self.llm
         scales = tuple(settings.get("bucket_scales") or BUCKET_SCALES)
-        prompt = build_prompt(llm.tokenizer, passages, question)
+        prompt = _build_prompt(llm.tokenizer, passages, question, settings)
         ids = prompt.ids()
         caches, logits = [], []
         for s in scales:
@@ -617,6 +624,16 @@ class LongDocQA:
             out["calibrated_relevance"] = rel.tolist()
         out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist()}
         return ctx, passages, out
+
+
+def _prompt_settings(instruction, answer_prefix) -> dict:
+    """The prompt options to record in an Answer's settings (only those that differ from the default)."""
+    return ({"instruction": instruction} if instruction is not None else {}) | (
+        {"answer_prefix": answer_prefix} if answer_prefix else {})
+
+
+def _build_prompt(tokenizer, passages, question, settings):
+    return build_prompt(tokenizer, passages, question, settings.get("instruction"), settings.get("answer_prefix", ""))
 
 
 @dataclass

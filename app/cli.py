@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         _common(p)
         if name == "ask":
             p.add_argument("question")
+            p.add_argument("--instruction", default=None,
+                           help="the prompt's instruction, replacing ldqa's default (a task's own wording)")
+            p.add_argument("--answer-prefix", default="",
+                           help="the start of the answer, put after 'Answer:'; the model continues it "
+                                "(e.g. 'The value is \"')")
         p.add_argument("--top-k", type=int, default=5, help="passages given to the model (default 5)")
         p.add_argument("--retriever", choices=["hybrid", "dense", "bm25"], default="hybrid")
         p.add_argument("--attention", choices=["full", "block", "block+recompute", "retrieval"], default="full",
@@ -134,7 +139,8 @@ def cmd_ask(args) -> int:
     qa = _qa(args)
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
               max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
-              block_headers=args.block_headers, **_retrieval_kw(args))
+              block_headers=args.block_headers, instruction=args.instruction, answer_prefix=args.answer_prefix,
+              **_retrieval_kw(args))
     if args.json:
         print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
         return 0

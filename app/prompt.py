@@ -57,17 +57,37 @@ def passage_text(title: str, text: str, page: int | None = None) -> str:
     return f" ({where}) {text.strip()}\n\n"
 
 
-def question_text(question: str) -> str:
-    return f"Question: {question.strip()}\nAnswer:"
+def question_text(question: str, answer_prefix: str = "") -> str:
+    """The question segment: 'Question: ...\nAnswer:', then ' ' + `answer_prefix` when one is given (the
+    start of the answer, which the model continues, e.g. 'Corresponding value: "')."""
+    return f"Question: {question.strip()}\nAnswer:" + (f" {answer_prefix.lstrip()}" if answer_prefix else "")
 
 
-def build_prompt(tokenizer, passages, question: str) -> PromptSegments:
+def check_prompt_options(instruction, answer_prefix) -> None:
+    """Raise ValueError naming `instruction` / `answer_prefix` when they are not strings (or the
+    instruction is blank)."""
+    if instruction is not None and (not isinstance(instruction, str) or not instruction.strip()):
+        raise ValueError(f"instruction must be a non-empty string or None (the default), got {instruction!r}")
+    if not isinstance(answer_prefix, str):
+        raise ValueError(f"answer_prefix must be a string ('' for none), got {answer_prefix!r}")
+
+
+def build_prompt(tokenizer, passages, question: str, instruction: str | None = None,
+                 answer_prefix: str = "") -> PromptSegments:
     """Tokenize the prompt for `question` over `passages` (objects with title, text, page).
+
+    instruction: the text after BOS (default `INSTRUCTION`); a task-specific instruction (e.g. the
+    key-value retrieval task's) changes the shared prefix, and with it the key of every stored block.
+    answer_prefix: the start of the answer, put after "Answer:" in the question segment; the model's
+    output continues it (and does not repeat it).
 
     Every text segment goes through `tokenizer.encode`, which treats special-token strings in documents
     (`<bos>`, `<|im_start|>`, ...) as plain text; only the BOS id is a real control token.
+    Raises ValueError for an instruction or answer_prefix that is not a string.
     """
-    prefix = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(INSTRUCTION)
+    check_prompt_options(instruction, answer_prefix)
+    text = INSTRUCTION if instruction is None else instruction
+    prefix = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(text)
     headers = [tokenizer.encode(header_text(i + 1)) for i in range(len(passages))]
     blocks = [tokenizer.encode(passage_text(p.title, p.text, p.page)) for p in passages]
-    return PromptSegments(prefix, headers, blocks, tokenizer.encode(question_text(question)))
+    return PromptSegments(prefix, headers, blocks, tokenizer.encode(question_text(question, answer_prefix)))

@@ -16,7 +16,9 @@ nq-multidoc
     Metric: best-subspan EM (SQuAD normalization; a gold answer occurs in the prediction).
 kv-retrieval
     The synthetic JSON key-value task of the same study: the JSON object is one passage, the question
-    'What is the value of key "K" in the JSON data?'; the queried pair is moved to each of ``--depths``
+    'What is the value of key "K" in the JSON data?', the study's instruction (`KV_INSTRUCTION`) and the
+    answer started for the model (`KV_ANSWER_PREFIX`: 'The value of key "K" is "', which the model
+    continues with the value); the queried pair is moved to each of ``--depths``
     (percent of the records); ``--kv-keys`` keeps fewer records. Metric: exact match of the value, counted
     as in the study (the value occurs in the answer; best-subspan EM).
 niah
@@ -267,6 +269,14 @@ def _nq_multidoc(cfg: EvalConfig, qa) -> list[dict]:
     return out
 
 
+# The key-value task's instruction, as in Liu et al. 2023 (section 3.1), and the start of the answer: the
+# study's prompt ends in 'Corresponding value: "', so the model's first token is the value's; with ldqa's
+# QA prompt alone ('Question: ...\nAnswer:') Gemma 3 270M (base) answers 'The value of key "..." in the
+# JSON data is 1.' every time (0 of 100, see docs/results.md), which measures nothing.
+KV_INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below.\n\n"
+KV_ANSWER_PREFIX = 'The value of key "{key}" is "'
+
+
 def _kv(cfg: EvalConfig, qa) -> list[dict]:
     rows = _read_jsonl(Path(cfg.data))
     out = []
@@ -281,7 +291,8 @@ def _kv(cfg: EvalConfig, qa) -> list[dict]:
             data = "{" + ", ".join(f'"{k}": "{v}"' for k, v in recs) + "}"
             out.append({"id": f"{i}/depth{d}", "record": i, "depth": d, "position": pos + 1,
                         "n_records": len(recs), "question": f'What is the value of key "{r["key"]}" in the JSON data?',
-                        "answers": [r["value"]], "passages": [{"title": "JSON data", "text": data}]})
+                        "answers": [r["value"]], "passages": [{"title": "JSON data", "text": data}],
+                        "instruction": KV_INSTRUCTION, "answer_prefix": KV_ANSWER_PREFIX.format(key=r["key"])})
     return out
 
 
@@ -441,9 +452,11 @@ class HFReference:
         self.llm = llm
         self.model = AutoModelForCausalLM.from_pretrained(llm.hf_dir, dtype=torch.float32).eval()
 
-    def answer(self, question: str, passages: list, max_new_tokens: int) -> tuple[str, dict]:
+    def answer(self, question: str, passages: list, max_new_tokens: int, instruction: str | None = None,
+               answer_prefix: str = "") -> tuple[str, dict]:
         """(answer text, timings) for `question` over `passages`: the prompt is
-        ``build_prompt(tokenizer, passages, question).ids()``, the text is cut at the first stop string."""
+        ``build_prompt(tokenizer, passages, question, instruction, answer_prefix).ids()``, the text is cut
+        at the first stop string."""
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -451,7 +464,8 @@ class HFReference:
         from ldqa.app.prompt import STOP_STRINGS, build_prompt
 
         tok = self.llm.tokenizer
-        ids = build_prompt(tok, [p if hasattr(p, "page") else Passage.of(p) for p in passages], question).ids()
+        ids = build_prompt(tok, [p if hasattr(p, "page") else Passage.of(p) for p in passages], question,
+                           instruction, answer_prefix).ids()
         eos, times = set(tok.eos_ids), []
 
         def text_of(new: list[int]) -> tuple[str, bool]:
@@ -490,15 +504,17 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
         row["retrieval_ms"] = (time.perf_counter() - t0) * 1000
         passages = hits[: cfg.top_k]
     used = mode.attention
+    prompt = {"instruction": ex.get("instruction"), "answer_prefix": ex.get("answer_prefix", "")}
     with PeakMemory() as mem:
         if mode.attention == "hf":
-            text, t = hf.answer(ex["question"], passages, max_new)
+            text, t = hf.answer(ex["question"], passages, max_new, **prompt)
         else:
             kw = {"recompute_ratio": cfg.recompute_ratio} if mode.attention == "block+recompute" else {}
             ans = qa.answer(ex["question"], passages, attention=mode.attention, max_new_tokens=max_new,
-                            debias=mode.debias, **kw)
+                            debias=mode.debias, **prompt, **kw)
             text, t, used = ans.text, ans.timings, ans.settings.get("attention_used", mode.attention)
-    meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers")}
+    meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers", "instruction",
+                                                     "answer_prefix")}
     return {"mode": mode.label, "example_id": ex["id"], **meta, "question": ex["question"],
             "answers": ex["answers"], "prediction": text, "score": score(cfg.benchmark, text, ex["answers"]),
             **row, **{k: t.get(k) for k in ("ttft_ms", "tokens_per_s", "prompt_tokens", "generated_tokens",
@@ -545,6 +561,8 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int) -> str:
     niah = Path(cfg.niah_config).read_text() if cfg.niah_config else ""
     key = [cfg.benchmark, str(data), size, cfg.model, fingerprint, max_new, cfg.seed, cfg.n_passages, cfg.kv_keys,
            cfg.top_k, cfg.passage_tokens, niah, cfg.recompute_ratio]
+    if cfg.benchmark == "kv-retrieval":  # the task's own prompt (added after the first kv runs: new hash)
+        key.append([KV_INSTRUCTION, KV_ANSWER_PREFIX])
     return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
 
 

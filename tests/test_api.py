@@ -230,3 +230,36 @@ def test_retrieval_attention_mode_matches_full_with_all_keys_and_reports_keys_to
         tiny_qa.ask(q, attention="retrieval", topk=8)
     with pytest.raises(ValueError, match="window"):
         tiny_qa.ask(q, attention="retrieval", window=0)
+
+
+def test_instruction_and_answer_prefix_shape_the_prompt(tiny_qa, tmp_path):
+    from ldqa.app.api import Passage
+    from ldqa.app.prompt import INSTRUCTION, build_prompt
+
+    tok = tiny_qa.llm.tokenizer
+    ps = [Passage("JSON data", '{"a1": "v-17", "b2": "v-99"}'), Passage("Notes", "Nothing about keys here.")]
+    default = build_prompt(tok, ps, "What is a1?")
+    assert default.prefix == [tok.bos_id] + tok.encode(INSTRUCTION)
+    assert build_prompt(tok, ps, "What is a1?", None, "").ids() == default.ids()
+    instr = "Extract the value of the key.\n\n"
+    seg = build_prompt(tok, ps, "What is a1?", instr, 'The value is "')
+    assert seg.prefix == [tok.bos_id] + tok.encode(instr)
+    assert seg.passages == default.passages and seg.headers == default.headers  # only prefix and question change
+    assert tok.decode(seg.question).endswith('Question: What is a1?\nAnswer: The value is "')
+
+    plain = tiny_qa.answer("What is a1?", ps, attention="block")
+    assert plain.timings["kv_misses"] == 2 and "answer_prefix" not in plain.settings
+    ans = tiny_qa.answer("What is a1?", ps, attention="block", instruction=instr, answer_prefix='The value is "')
+    assert ans.settings["instruction"] == instr and ans.settings["answer_prefix"] == 'The value is "'
+    assert ans.timings["prompt_tokens"] == len(seg)
+    # a passage's stored KV depends on the prefix it was encoded after: a new instruction reuses none
+    assert ans.timings["kv_misses"] == 2 and ans.timings["kv_hits"] == 0
+    again = tiny_qa.answer("What is a1?", ps, attention="block", instruction=instr, answer_prefix='The value is "')
+    assert again.timings["kv_hits"] == 2
+    full = tiny_qa.answer("What is a1?", ps, instruction=instr, answer_prefix='The value is "')
+    assert full.timings["prompt_tokens"] == len(seg)
+    for bad in (dict(instruction=" "), dict(instruction=3), dict(answer_prefix=None)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            tiny_qa.answer("What is a1?", ps, **bad)
+    with pytest.raises(ValueError, match="answer_prefix"):
+        tiny_qa.ask("What is a1?", answer_prefix=7)

@@ -31,9 +31,10 @@ def test_cli_ingest_then_ask_json(tmp_path, tiny_model_dir):
     assert "bad.txt" in r.stderr and "no text" in r.stderr  # the failure is named on stderr
 
     r = _ldqa("ask", "What torque for the fan hub bolts?", "--store", store, "--model", model, "--top-k", "2",
-              "--retriever", "bm25", "--max-new-tokens", "4", "--json")
+              "--retriever", "bm25", "--max-new-tokens", "4", "--answer-prefix", "The torque is", "--json")
     assert r.returncode == 0, r.stderr
     ans = json.loads(r.stdout)
+    assert ans["settings"]["answer_prefix"] == "The torque is" and "instruction" not in ans["settings"]
     assert set(ans) >= {"text", "citations", "passages", "timings", "settings"}
     assert len(ans["passages"]) == 2 and ans["settings"]["retriever"] == "bm25"
     assert all(p["path"] and p["title"] for p in ans["passages"])

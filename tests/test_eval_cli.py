@@ -157,12 +157,13 @@ def test_kv_retrieval_resume_reuses_cached_answers(tmp_path, tiny_model_dir, sha
 
     def counting(self, question, passages, **kw):
         calls.append(question)
+        prompts.append(kw)
         if len(calls) == stop_at[0]:
             raise KeyboardInterrupt  # an interruption in the middle of a run
         return real(self, question, passages, **kw)
 
     monkeypatch.setattr(LongDocQA, "answer", counting)
-    stop_at = [0]
+    stop_at, prompts = [0], []
     data = shared_data / "kv-retrieval-75_keys.jsonl.gz"
     kv = ("--kv-keys", "4", "--depths", "0,100")
     out = tmp_path / "kv"
@@ -171,6 +172,9 @@ def test_kv_retrieval_resume_reuses_cached_answers(tmp_path, tiny_model_dir, sha
     assert len(calls) == 4 and first["computed"] == 4 and first["cached"] == 0
     r0 = first["rows"][0]
     assert r0["n_records"] == 4 and r0["position"] == 1 and r0["question"].startswith('What is the value of key "')
+    key0 = r0["question"].split('"')[1]  # the task's instruction, and the answer started for the model
+    assert prompts[0]["instruction"] == harness.KV_INSTRUCTION
+    assert prompts[0]["answer_prefix"] == f'The value of key "{key0}" is "'
 
     calls.clear()
     second = _eval("kv-retrieval", data, out, model, *kv, "--limit", "3")  # the later --limit wins
@@ -188,6 +192,27 @@ def test_kv_retrieval_resume_reuses_cached_answers(tmp_path, tiny_model_dir, sha
     assert len(calls) == 5 and resumed["cached"] == 1
     key = lambda rows: [(r["example_id"], r["mode"], r["prediction"], r["score"]) for r in rows]  # noqa: E731
     assert key(resumed["rows"]) == key(second["rows"])
+
+
+def test_kv_retrieval_hf_reference_gets_the_same_prompt(tmp_path, tiny_model_dir, shared_data):
+    model = tiny_model_dir("gemma3")
+    out = tmp_path / "kv-hf"
+    res = _eval("kv-retrieval", shared_data / "kv-retrieval-75_keys.jsonl.gz", out, model, "--kv-keys", "4",
+                "--depths", "50", "--limit", "1", "--modes", "full,hf")
+    full, hf = res["rows"]
+    assert (full["mode"], hf["mode"]) == ("full", "hf")
+    assert hf["prompt_tokens"] == full["prompt_tokens"] and hf["prediction"] == full["prediction"]
+    # that prompt carries the task's instruction and answer prefix (and differs from the plain QA prompt)
+    from ldqa.app.api import Passage
+    from ldqa.app.prompt import build_prompt
+    from ldqa.attention.loader import load_tokenizer
+
+    tok = load_tokenizer(str(model))
+    ex = harness._kv(harness.EvalConfig("kv-retrieval", str(shared_data / "kv-retrieval-75_keys.jsonl.gz"),
+                                        limit=1, depths="50", kv_keys=4), None)[0]
+    ps = [Passage.of(p) for p in ex["passages"]]
+    assert full["prompt_tokens"] == len(build_prompt(tok, ps, ex["question"], ex["instruction"], ex["answer_prefix"]))
+    assert full["prompt_tokens"] != len(build_prompt(tok, ps, ex["question"]))
 
 
 def test_niah_grid_and_heatmap(tmp_path, tiny_model_dir, shared_data):
