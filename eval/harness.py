@@ -566,6 +566,18 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int) -> str:
     return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
 
 
+def mode_cache_key(m: Mode, retrieval_config=None) -> str:
+    """The cache key of mode `m`: `Mode.key`, and for attention "retrieval" a hash of the retrieval
+    settings it runs with (`RetrievalConfig()` defaults unless given), so a changed default (e.g.
+    `top_k_keys`) recomputes those answers instead of reading stale ones."""
+    if m.attention != "retrieval":
+        return m.key
+    from ldqa.attention.retrieval_attention import RetrievalConfig
+
+    rc = asdict(retrieval_config or RetrievalConfig())
+    return m.key + "#" + hashlib.sha256(json.dumps(rc, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 # ------------------------------------------------------------------------------------------ the run
 
 def run(cfg: EvalConfig) -> dict:
@@ -599,7 +611,7 @@ def run(cfg: EvalConfig) -> dict:
     todo = []
     for ex in examples:
         for m in modes:
-            hit = cache.get(config, cfg.benchmark, m.key, ex["id"])
+            hit = cache.get(config, cfg.benchmark, mode_cache_key(m), ex["id"])
             if hit is not None:
                 rows[(ex["id"], m)] = hit
             else:
@@ -615,7 +627,7 @@ def run(cfg: EvalConfig) -> dict:
     try:
         for ex, m in todo:
             row = answer_one(qa, hf, cfg, ex, m, max_new)
-            row["created_at"] = cache.put(config, cfg.benchmark, m.key, ex["id"], row)
+            row["created_at"] = cache.put(config, cfg.benchmark, mode_cache_key(m), ex["id"], row)
             rows[(ex["id"], m)] = row
             bar.update(1)
     except KeyboardInterrupt:

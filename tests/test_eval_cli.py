@@ -71,6 +71,14 @@ def test_mode_specs_cross_product():
     assert [m.label for m in ms] == ["full@hybrid", "full@bm25", "block/sort@dense"]
     assert ms[2] == Mode("block", "sort", "dense") and ms[2].key == "block/sort@dense"
     assert Mode("full").key == "full/none@-"
+    # the cache key of retrieval attention carries its settings: a changed default is not read back stale
+    from ldqa.attention.retrieval_attention import RetrievalConfig
+
+    r = Mode("retrieval")
+    assert harness.mode_cache_key(Mode("full")) == "full/none@-"
+    assert harness.mode_cache_key(r).startswith("retrieval/none@-#")
+    assert harness.mode_cache_key(r) == harness.mode_cache_key(r, RetrievalConfig())
+    assert harness.mode_cache_key(r, RetrievalConfig(top_k_keys=200)) != harness.mode_cache_key(r)
     assert gold_positions("default", 20) == [1, 5, 10, 15, 20] and gold_positions("default", 10) == [1, 5, 10]
     assert gold_positions("all", 3) == [1, 2, 3] and gold_positions("2", 3) == [2]
 
