@@ -154,7 +154,8 @@ def decode_part(llm, size: int, args) -> dict:
                       "text": tok.decode(toks)}
         if name == "full":
             recorded = pol.q  # layer -> [q (hq, d) per step]: the exact decode's queries
-    # recall@k of the exact top-k over the indexed zone, on the full run's queries (same for every index)
+    # recall@k (k = --recall-k, the target's 100, whatever top_k_keys the decode runs use) of the exact
+    # top-k over the indexed zone, on the full run's queries (same for every index)
     L = cache.length
     end = L - args.window
     recall = {}
@@ -169,8 +170,8 @@ def decode_part(llm, size: int, args) -> dict:
                 nbytes += idx.nbytes()
                 kall = cache.keys(layer)[0].float()  # (hkv, L, d)
                 for q in recorded[layer]:
-                    res = idx.search(q, args.top_k_keys)
-                    exact = exact_top_k(q, keys, args.top_k_keys, scale) + args.sink
+                    res = idx.search(q, args.recall_k)
+                    exact = exact_top_k(q, keys, args.recall_k, scale) + args.sink
                     rs.append(recall_at_k(res.slots, exact))
                     touched.append(res.scanned / keys.shape[0] / keys.shape[1])
                     cover.append(_mass(q, kall, res.slots, args.sink, end, scale))
@@ -184,7 +185,8 @@ def decode_part(llm, size: int, args) -> dict:
                 recall["exact_top_k"] = {"attention_mass_covered": statistics.mean(oracle)}
     full_attn = runs["full"]["attention_ms_per_step"]
     row = {"model": llm.name, "context_tokens": L, "prefill_s": prefill_s, "steps": args.steps,
-           "global_layers": glob, "top_k_keys": args.top_k_keys, "window": args.window, "sink": args.sink,
+           "global_layers": glob, "top_k_keys": args.top_k_keys, "recall_k": args.recall_k, "window": args.window,
+           "sink": args.sink,
            "runs": runs, "recall": recall, "kv_cache_bytes": cache.nbytes(), "peak_rss_mb": _rss_mb(),
            "attention_speedup": {k: full_attn / v["attention_ms_per_step"] for k, v in runs.items()},
            "step_speedup": {k: runs["full"]["median_step_ms"] / v["median_step_ms"] for k, v in runs.items()},
@@ -297,7 +299,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="8192,16384,32768")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--question", default="What does the author say is the best way to get startup ideas?")
-    ap.add_argument("--top-k-keys", type=int, default=100)
+    ap.add_argument("--top-k-keys", type=int, default=RetrievalConfig().top_k_keys,
+                    help="keys retrieved per KV head per decode step (default: RetrievalConfig's)")
+    ap.add_argument("--recall-k", type=int, default=100,
+                    help="decode: k of the recall@k of the exact top-k keys (independent of --top-k-keys)")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--scan-fraction", type=float, default=0.02)
