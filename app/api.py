@@ -513,6 +513,8 @@ class LongDocQA:
             cache.policy = policy
             logits = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
             return _Context(prompt, cache, logits, None)
+        from ldqa.attention.block_attention import DEFAULT_HEADERS
+
         cache, logits, stats = self.block_runtime.prefill(
             prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
             recompute_ratio=settings.get("recompute_ratio", 0.0), extra_capacity=max_new + 8, policy=policy,
