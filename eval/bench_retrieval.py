@@ -242,11 +242,20 @@ def task_part(llm, examples, rows_path: Path, args, max_new: int, scorer) -> dic
     from tqdm import tqdm
 
     model, tok, cfg = llm.model, llm.tokenizer, llm.model.cfg
-    done = {}
-    if rows_path.exists():
-        for line in rows_path.read_text().splitlines():
-            r = json.loads(line)
-            done[(str(r["i"]), r["mode"])] = r
+    done, seen = {}, [0]
+
+    def refresh():  # rows appended since the last look (also by another process working from the other end)
+        if rows_path.exists():
+            with open(rows_path) as g:
+                g.seek(seen[0])
+                for line in g:
+                    if not line.endswith("\n"):
+                        break  # a row being written right now: read it next time
+                    seen[0] += len(line.encode())
+                    r = json.loads(line)
+                    done.setdefault((str(r["i"]), r["mode"]), r)
+
+    refresh()
     variants = {"retrieval": _rcfg(args)}  # mode -> RetrievalConfig
     if args.ablate:  # the pieces added to the plain index, each switched off
         flip = "off" if args.estimate == "on" else "on"
@@ -256,7 +265,8 @@ def task_part(llm, examples, rows_path: Path, args, max_new: int, scorer) -> dic
     stop = set(tok.eos_ids) | {t for t in (tok.encode('"')[:1] + tok.encode("\n")[:1])}
     examples = list(examples)
     with open(rows_path, "a") as f:
-        for ex in tqdm(examples, desc=rows_path.stem, file=sys.stderr):
+        for ex in tqdm(examples[::-1] if args.reverse else examples, desc=rows_path.stem, file=sys.stderr):
+            refresh()
             if all((str(ex["i"]), m) in done for m in modes):
                 continue
             ids = ex["ids"] if "ids" in ex else [tok.bos_id] + tok.encode(ex["prompt"])
@@ -276,6 +286,7 @@ def task_part(llm, examples, rows_path: Path, args, max_new: int, scorer) -> dic
                 f.write(json.dumps(row) + "\n")
                 f.flush()
             del cache
+    refresh()
     rows = [done[(str(ex["i"]), m)] for ex in examples for m in modes if (str(ex["i"]), m) in done]
     summary = {}
     for m in modes:
@@ -301,6 +312,10 @@ def main(argv=None) -> int:
     ap.add_argument("--question", default="What does the author say is the best way to get startup ideas?")
     ap.add_argument("--top-k-keys", type=int, default=RetrievalConfig().top_k_keys,
                     help="keys retrieved per KV head per decode step (default: RetrievalConfig's)")
+    ap.add_argument("--reverse", action="store_true",
+                    help="kv/niah: work through the examples from the last; a second process started with it "
+                         "on the same --out shares the work with a forward one (rows are re-read before each "
+                         "example, so neither redoes the other's)")
     ap.add_argument("--recall-k", type=int, default=100,
                     help="decode: k of the recall@k of the exact top-k keys (independent of --top-k-keys)")
     ap.add_argument("--window", type=int, default=128)
@@ -327,6 +342,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     llm = load_model(args.model)
+    tag = Path(llm.name).name  # a model given as a path: its directory's name in the output file names
     result = {"model": llm.name, "threads": torch.get_num_threads(), "settings": {
         k: getattr(args, k) for k in ("top_k_keys", "window", "sink", "scan_fraction", "follow", "estimate",
                                      "prefill_chunk", "seed")}}
@@ -336,20 +352,20 @@ def main(argv=None) -> int:
         result["kv"] = {}
         for name in args.kv_files.split(","):
             exs = kv_examples(args.data / name, args.n, args.seed)
-            rows_path = args.out / f"kv-{name.split('.')[0]}-{llm.name}.jsonl"
+            rows_path = args.out / f"kv-{name.split('.')[0]}-{tag}.jsonl"
             res = task_part(llm, exs, rows_path, args, 40, lambda p, a: a in p)
             result["kv"][name] = res["summary"] | {"by_position": _by(res["rows"], "position")}
     else:
         text_ids = llm.tokenizer.encode(essays(args.data))
         exs = niah_examples(text_ids, llm.tokenizer, [int(s) for s in args.niah_sizes.split(",")],
                             [int(d) for d in args.depths.split(",")])
-        res = task_part(llm, exs, args.out / f"niah-{llm.name}.jsonl", args, 8,
+        res = task_part(llm, exs, args.out / f"niah-{tag}.jsonl", args, 8,
                         lambda p, a: a in p.lower())
         result["niah"] = res["summary"] | {"grid": {f"{r['size']}@{r['depth']}:{r['mode']}": r["correct"]
                                                     for r in res["rows"]}}
-        _heatmap(res["rows"], args.out / f"niah-{llm.name}.png")
+        _heatmap(res["rows"], args.out / f"niah-{tag}.png")
     result["peak_rss_mb"] = _rss_mb()
-    name = f"results-{args.part}-{llm.name}.json"
+    name = f"results-{args.part}-{tag}.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "decode"} |
                      {"decode": [{k: r[k] for k in ("context_tokens", "attention_speedup", "step_speedup", "recall")}

@@ -3,6 +3,8 @@ and the key indexes' recall."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -325,3 +327,23 @@ def test_follow_finds_the_copied_keys_on_real_key_value_retrieval(shared_data):
     print(steps, misses)
     assert steps >= 8
     assert misses[8] < misses[0] and misses[8] <= 1
+
+
+def test_kv_bench_resumes_and_shares_work_from_both_ends(tmp_path, tiny_model_dir, shared_data):
+    """bench_retrieval --part kv: a run resumes from its JSONL rows, and a --reverse run on the same --out
+    picks up only what is missing (two processes can share one run that way); one row per example and mode."""
+    from ldqa.eval import bench_retrieval
+
+    model = tiny_model_dir("gemma3")
+    base = ["--part", "kv", "--model", str(model), "--data", str(shared_data), "--kv-files",
+            "kv-retrieval-75_keys.jsonl.gz", "--out", str(tmp_path), "--top-k-keys", "8", "--window", "16"]
+    assert bench_retrieval.main(base + ["--n", "2"]) == 0
+    rows_path = next(tmp_path.glob("kv-*.jsonl"))
+    first = rows_path.read_text().splitlines()
+    assert len(first) == 4  # 2 examples x (full, retrieval)
+    assert bench_retrieval.main(base + ["--n", "3", "--reverse"]) == 0
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    assert rows_path.read_text().splitlines()[:4] == first and len(rows) == 6  # only the third example added
+    assert len({(r["i"], r["mode"]) for r in rows}) == 6
+    res = json.loads(next(tmp_path.glob("results-kv-*.json")).read_text())
+    assert res["kv"]["kv-retrieval-75_keys.jsonl.gz"]["full"]["n"] == 3
