@@ -127,7 +127,7 @@ def _eval(bench, data, out, model, *extra):
     return json.loads((out / "results.json").read_text())
 
 
-def _check_outputs(res, out, n_rows, plots=("ttft_vs_length.png",)):
+def _check_outputs(res, out, n_rows, plots=("ttft_vs_length.png",), max_new=4):
     assert len(res["rows"]) == n_rows
     for name in ("results.json", "results.csv", "summary.md", "predictions.sqlite", *plots):
         assert (out / name).stat().st_size > 0, name
@@ -139,7 +139,7 @@ def _check_outputs(res, out, n_rows, plots=("ttft_vs_length.png",)):
         assert m["n"] * len(res["modes"]) == n_rows and 0.0 <= m["accuracy"] <= 1.0
         assert m["ttft_ms"] > 0 and m["peak_mb"] > 0
     for r in res["rows"]:
-        assert isinstance(r["prediction"], str) and r["prompt_tokens"] > 0 and r["generated_tokens"] <= 4
+        assert isinstance(r["prediction"], str) and r["prompt_tokens"] > 0 and r["generated_tokens"] <= max_new
 
 
 def test_nq_multidoc_with_hf_reference(tmp_path, tiny_model_dir, nq_small):
@@ -270,3 +270,40 @@ def test_jsonl_longbench_format(tmp_path, tiny_model_dir):
     assert rows["a1"]["n_passages"] > 1 and rows["b2"]["n_passages"] == 1 and rows["line3"]["n_passages"] == 2
     for r in rows.values():
         assert r["score"] == pytest.approx(token_f1(r["prediction"], r["answers"]))
+
+
+@pytest.mark.slow
+def test_every_benchmark_end_to_end_with_the_real_model(tmp_path, nq_small, shared_data):
+    """Each benchmark on a few examples with Gemma 3 270M (real weights), `hf` beside `full` where it
+    applies: transformers' generate on the same prompt must give the same greedy answers."""
+    model = "gemma3-270m"
+    res = _eval("nq-multidoc", nq_small, tmp_path / "nq", model, "--modes", "full,block,hf", "--n-passages", "3",
+                "--gold-positions", "1,3", "--max-new-tokens", "12")
+    _check_outputs(res, tmp_path / "nq", 2 * 2 * 3, plots=("ttft_vs_length.png", "accuracy_vs_position.png"),
+                   max_new=12)
+    rows = {(r["example_id"], r["mode"]): r for r in res["rows"]}
+    for (ex, mode), r in rows.items():
+        if mode == "hf":
+            assert r["prediction"] == rows[(ex, "full")]["prediction"] != ""
+
+    # 4 key-value pairs: the model copies the queried value (the answer prefix starts it off)
+    res = _eval("kv-retrieval", shared_data / "kv-retrieval-75_keys.jsonl.gz", tmp_path / "kv", model,
+                "--kv-keys", "4", "--depths", "0", "--modes", "full,hf", "--max-new-tokens", "48", "--limit", "1")
+    full, hf = res["rows"][0:2] if res["rows"][0]["mode"] == "full" else res["rows"][1::-1]
+    assert full["score"] == 1.0 and hf["prediction"] == full["prediction"]
+
+    res = _eval("niah", shared_data / "pg-essays", tmp_path / "niah", model, "--lengths", "512", "--depths", "50",
+                "--modes", "full,retrieval", "--max-new-tokens", "12")
+    _check_outputs(res, tmp_path / "niah", 2, plots=("ttft_vs_length.png", "niah_heatmap.png"), max_new=12)
+    assert len({r["prediction"] for r in res["rows"]}) == 1  # 512 tokens: under min_indexed, exact attention
+
+    res = _eval("retrieval", nq_small, tmp_path / "ret", model, "--retriever", "dense,bm25", "--max-new-tokens", "8")
+    assert {m["mode"] for m in res["modes"]} == {"full@dense", "full@bm25"}
+    assert all(r["gold_rank"] is not None for r in res["rows"])  # 12 documents: each gold within the top 10
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"_id": "v", "input": "Which river flows through Vienna?", "answers": ["Danube"],
+                                "context": "Vienna is the capital of Austria. The Danube flows through the city."})
+                    + "\n")
+    res = _eval("jsonl", data, tmp_path / "jsonl", model, "--max-new-tokens", "8")
+    assert res["rows"][0]["prediction"] != ""
