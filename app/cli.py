@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "retrieval: exact prefill, then decode attends to sink + recent window + top-k keys "
                             "from an ANN index over the cached keys (RetrievalAttention)")
         p.add_argument("--top-k-keys", type=int, default=None,
-                       help="retrieval: keys retrieved per KV head per decode step (default 100)")
+                       help="retrieval: keys retrieved per KV head per decode step (default 200)")
         p.add_argument("--window", type=int, default=None, help="retrieval: recent-window tokens (default 128)")
         p.add_argument("--sink", type=int, default=None, help="retrieval: attention-sink tokens (default 4)")
         p.add_argument("--debias", choices=["none", "calibrate", "calibrate+reorder", "sort", "buckets"], default="none",
