@@ -78,7 +78,7 @@ def test_mode_specs_cross_product():
     assert harness.mode_cache_key(Mode("full")) == "full/none@-"
     assert harness.mode_cache_key(r).startswith("retrieval/none@-#")
     assert harness.mode_cache_key(r) == harness.mode_cache_key(r, RetrievalConfig())
-    assert harness.mode_cache_key(r, RetrievalConfig(top_k_keys=200)) != harness.mode_cache_key(r)
+    assert harness.mode_cache_key(r, RetrievalConfig(top_k_keys=RetrievalConfig().top_k_keys + 1)) != harness.mode_cache_key(r)
     assert gold_positions("default", 20) == [1, 5, 10, 15, 20] and gold_positions("default", 10) == [1, 5, 10]
     assert gold_positions("all", 3) == [1, 2, 3] and gold_positions("2", 3) == [2]
 
