@@ -53,7 +53,8 @@ class RetrievalConfig:
 
     top_k_keys: keys retrieved per KV head per step (None = every indexed key: exact attention, the
         reference path; 200 by default: at 100, key-value retrieval over 140 pairs lost 2 of 100 copies to
-        full attention, at 200 none, with the same keys touched, docs/results.md); window: recent-zone size (tokens); sink: sink-zone size (tokens);
+        full attention, at 200 none, with the same keys touched, docs/results.md);
+    window: recent-zone size (tokens); sink: sink-zone size (tokens);
     index: "aware" (query-linked + IVF, attention-aware) | "keys" (key-only IVF) | "exact" (full scan);
     scan_fraction, cluster_size: the index's search budget and cluster size (`KeyIndexConfig`);
     min_indexed: with fewer indexable keys than this the layer attends to everything (no index): below a
