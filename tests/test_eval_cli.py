@@ -78,7 +78,8 @@ def test_mode_specs_cross_product():
     assert harness.mode_cache_key(Mode("full")) == "full/none@-"
     assert harness.mode_cache_key(r).startswith("retrieval/none@-#")
     assert harness.mode_cache_key(r) == harness.mode_cache_key(r, RetrievalConfig())
-    assert harness.mode_cache_key(r, RetrievalConfig(top_k_keys=RetrievalConfig().top_k_keys + 1)) != harness.mode_cache_key(r)
+    other = RetrievalConfig(top_k_keys=RetrievalConfig().top_k_keys + 1)
+    assert harness.mode_cache_key(r, other) != harness.mode_cache_key(r)
     assert gold_positions("default", 20) == [1, 5, 10, 15, 20] and gold_positions("default", 10) == [1, 5, 10]
     assert gold_positions("all", 3) == [1, 2, 3] and gold_positions("2", 3) == [2]
 
@@ -289,7 +290,8 @@ def test_every_benchmark_end_to_end_with_the_real_model(tmp_path, nq_small, shar
     # 4 key-value pairs: the model copies the queried value (the answer prefix starts it off)
     res = _eval("kv-retrieval", shared_data / "kv-retrieval-75_keys.jsonl.gz", tmp_path / "kv", model,
                 "--kv-keys", "4", "--depths", "0", "--modes", "full,hf", "--max-new-tokens", "48", "--limit", "1")
-    full, hf = res["rows"][0:2] if res["rows"][0]["mode"] == "full" else res["rows"][1::-1]
+    by_mode = {r["mode"]: r for r in res["rows"]}
+    full, hf = by_mode["full"], by_mode["hf"]
     assert full["score"] == 1.0 and hf["prediction"] == full["prediction"]
 
     res = _eval("niah", shared_data / "pg-essays", tmp_path / "niah", model, "--lengths", "512", "--depths", "50",
