@@ -13,6 +13,7 @@ import logging
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 
 RETRIEVERS = ("hybrid", "dense", "bm25")
 ATTENTION_MODES = ("full", "block", "block+recompute", "retrieval")
+# Bytes of KV cache copies that `LongDocQA` keeps (least recently used first out) to reuse identical exact
+# prefills: another debias method on the same prompt, the same question asked again.
+PREFILL_MEMO_BYTES = 256 << 20
 
 
 @dataclass
@@ -153,6 +157,9 @@ class LongDocQA:
         self.kv_store = KVBlockStore(self.store.path / "kv", memory_budget_bytes=kv_budget_mb << 20)
         self.store.on_chunks_removed(self.kv_store.drop_chunks)  # replaced/deleted documents lose their blocks
         self._block_runtime = None
+        # Recent exact prefills (attention="full"), least recently used first: answering the same prompt
+        # again (another debias method, the same question asked twice) starts from a copy. `_full_prefill`.
+        self._prefill_memo: OrderedDict = OrderedDict()
 
     # ----------------------------------------------------------------- ingestion
     def ingest(self, paths: str | Path | Iterable[str | Path], progress: bool = False) -> IngestReport:
@@ -496,6 +503,7 @@ class LongDocQA:
         else:
             timings |= {"tokens_reused": 0, "tokens_computed": s.prompt_tokens}
         timings |= dstats
+        timings.setdefault("reused_prefill_ms", ctx.reused_prefill_ms)
         stream.answer = Answer(question, text, cite(text, passages), passages, timings, settings)
 
 
@@ -507,6 +515,8 @@ class LongDocQA:
 
         llm = self.llm
         prompt = _build_prompt(llm.tokenizer, passages, question, settings)
+        if mode == "full" and policy is None:
+            return self._full_prefill(prompt, max_new)
         if mode in ("full", "retrieval"):
             ids = prompt.ids()
             cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
@@ -521,6 +531,41 @@ class LongDocQA:
             headers=settings.get("block_headers") or DEFAULT_HEADERS)
         return _Context(prompt, cache, logits, stats)
 
+    def _full_prefill(self, prompt, max_new):
+        """Exact prefill of `prompt` (attention="full") with the question's queries recorded (for the
+        debias methods' attention measurement; recording does not change the attention).
+
+        Recent prefills are kept (copies of their KV caches, at most `PREFILL_MEMO_BYTES` in all, least
+        recently used dropped first): the same prompt again starts from a copy, bit-identical to
+        computing it anew. The context then carries `reused_prefill_ms`, the measured time of the
+        prefill it reused, so that latency reports can add it back (what a caller asking only this would
+        have waited). Returns a _Context."""
+        import torch
+
+        from ldqa.attention.debias import DebiasKV
+
+        llm = self.llm
+        ids = prompt.ids()
+        key = (tuple(ids), llm.fingerprint)
+        memo = self._prefill_memo.get(key)
+        if memo is not None:
+            self._prefill_memo.move_to_end(key)
+            return _Context(prompt, memo["cache"].clone(), memo["logits"].clone(), None, memo["queries"], memo["ms"])
+        t0 = time.perf_counter()
+        rec = DebiasKV(n_record=len(prompt.question), scale=llm.model.cfg.attn_scale)
+        cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
+        cache.policy = rec
+        logits = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
+        cache.policy = None
+        ms, size = _ms(t0), cache.capacity * cache.nbytes() // max(1, cache.length)  # bytes of a copy
+        if size <= PREFILL_MEMO_BYTES:
+            memo = self._prefill_memo
+            while memo and size + sum(m["bytes"] for m in memo.values()) > PREFILL_MEMO_BYTES:
+                memo.popitem(last=False)
+            memo[key] = {"cache": cache.clone(), "logits": logits.clone(), "queries": rec.queries, "ms": ms,
+                         "bytes": size}
+        return _Context(prompt, cache, logits, None, rec.queries)
+
     def _measure(self, passages, question, mode, settings, max_new):
         """Build the context with the question's queries recorded; (context, (k,) attention mass)."""
         import torch
@@ -528,12 +573,18 @@ class LongDocQA:
         from ldqa.attention.debias import DebiasKV, passage_mass, passage_spans
 
         llm = self.llm
-        n_q = len(_build_prompt(llm.tokenizer, passages[:1], question, settings).question)
-        rec = DebiasKV(n_record=n_q, scale=llm.model.cfg.attn_scale)
-        ctx = self._build_context(passages, question, mode, settings, max_new, rec)
-        ctx.cache.policy = None
+        if mode == "full":
+            ctx = self._build_context(passages, question, mode, settings, max_new)
+            queries = ctx.queries
+        else:
+            n_q = len(_build_prompt(llm.tokenizer, passages[:1], question, settings).question)
+            rec = DebiasKV(n_record=n_q, scale=llm.model.cfg.attn_scale)
+            ctx = self._build_context(passages, question, mode, settings, max_new, rec)
+            ctx.cache.policy = None
+            queries = rec.queries
+        n_q = len(ctx.prompt.question)
         L = ctx.cache.length
-        mass = passage_mass(llm.model, ctx.cache, rec.queries, passage_spans(ctx.prompt), torch.arange(L - n_q, L))
+        mass = passage_mass(llm.model, ctx.cache, queries, passage_spans(ctx.prompt), torch.arange(L - n_q, L))
         return ctx, mass
 
     def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
@@ -593,6 +644,7 @@ class LongDocQA:
         llm = self.llm
         passes = 1
         ctx, mass = self._measure(passages, question, mode, settings, max_new)
+        reused = ctx.reused_prefill_ms
         out = {}
         if method == "sort":
             for _ in range(settings.get("sort_rounds", 2)):
@@ -601,6 +653,7 @@ class LongDocQA:
                     break
                 passages = [passages[i] for i in order]
                 ctx, mass = self._measure(passages, question, mode, settings, max_new)
+                reused += ctx.reused_prefill_ms
                 passes += 1
             ctx.cache.policy = None
         else:
@@ -612,6 +665,7 @@ class LongDocQA:
                 passages, rel = [passages[i] for i in order], rel[order]
                 if order != list(range(len(passages))):
                     ctx = self._build_context(passages, question, mode, settings, max_new)
+                    reused += ctx.reused_prefill_ms
                     passes += 1
             log_w = D.log_weights(rel, mass, settings.get("debias_strength", 1.0))  # mean(mass): order-free
             L = ctx.cache.length
@@ -624,7 +678,8 @@ class LongDocQA:
                                    ctx.cache, slots=q_slots)
             out["passage_weights"] = log_w.exp().tolist()
             out["calibrated_relevance"] = rel.tolist()
-        out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist()}
+        out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist(),
+                "reused_prefill_ms": reused}
         return ctx, passages, out
 
 
@@ -644,6 +699,8 @@ class _Context:
     cache: object
     logits: object
     block_stats: object
+    queries: dict | None = None  # full attention: layer -> (heads, question tokens, head_dim) recorded queries
+    reused_prefill_ms: float = 0.0  # > 0: the prefill was a copy of an earlier identical one that took this long
 
 
 @dataclass

@@ -93,6 +93,17 @@ class KVCache:
         v = torch.stack([t[0, :, start:end] for t in self._v])
         return k, v
 
+    def clone(self) -> "KVCache":
+        """A deep copy (keys, values, positions, length, theta_scale) with no policy attached; costs
+        `nbytes()` of memory at the current capacity."""
+        c = KVCache.__new__(KVCache)
+        c.num_layers, c.length, c._pending = self.num_layers, self.length, 0
+        c._k = [t.clone() for t in self._k]
+        c._v = [t.clone() for t in self._v]
+        c._pos = self._pos.clone()
+        c.policy, c.theta_scale = None, self.theta_scale
+        return c
+
     def truncate(self, length: int) -> None:
         """Forget every token after the first `length`."""
         self.length = min(self.length, length)

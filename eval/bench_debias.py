@@ -3,7 +3,8 @@
 NQ-open multi-doc (eval/nq.py: the gold passage plus distractors = other questions' gold passages that
 contain no answer string, seeded), k passages with the gold one at each position in --positions, for
 every debias method in --methods and every attention mode in --attention; best-subspan EM; TTFT and the
-extra latency of each method (its median total time minus that of "none"). Resumable: one JSONL row per
+extra latency of each method (its median total time minus that of "none"; the methods of one prompt
+share its exact prefill, whose measured time is added back to every row that reused it). Resumable: one JSONL row per
 (question, position, attention, method). Writes results-debias-{k}.json and a PNG of accuracy vs gold
 position.
 
@@ -29,15 +30,20 @@ def run(qa, records, args) -> dict:
 
     rows_path = args.out / f"debias-{args.passages}.jsonl"
     done = {}
-    if rows_path.exists():
-        for line in rows_path.read_text().splitlines():
-            r = json.loads(line)
-            done[(r["i"], r["position"], r["attention"], r["method"])] = r
+
+    def refresh():  # rows written so far, by this process or by another one sharing --out
+        if rows_path.exists():
+            for line in rows_path.read_text().splitlines():
+                r = json.loads(line)
+                done[(r["i"], r["position"], r["attention"], r["method"])] = r
+
+    refresh()
     idx = random.Random(args.seed).sample(range(len(records)), args.n)
     positions = [int(p) for p in args.positions.split(",")]
     methods, modes = args.methods.split(","), args.attention.split(",")
     with open(rows_path, "a") as f:
-        for i in tqdm(idx, desc=f"{args.passages} passages", file=sys.stderr):
+        for i in tqdm(idx[::-1] if args.reverse else idx, desc=f"{args.passages} passages", file=sys.stderr):
+            refresh()
             for pos in positions:
                 ex = multidoc_example(records, i, args.passages, pos, args.seed)
                 for mode in modes:
@@ -51,7 +57,8 @@ def run(qa, records, args) -> dict:
                                "prediction": ans.text, "em": best_subspan_em(ans.text, ex["answers"]),
                                "ttft_ms": ans.timings["ttft_ms"], "total_ms": ans.timings["total_ms"],
                                "debias_ms": ans.timings.get("debias_ms", 0.0),
-                               "passes": ans.timings.get("debias_passes", 1)}
+                               "passes": ans.timings.get("debias_passes", 1),
+                               "reused_prefill_ms": ans.timings.get("reused_prefill_ms", 0.0)}
                         done[key] = row
                         f.write(json.dumps(row) + "\n")
                         f.flush()
@@ -65,8 +72,8 @@ def run(qa, records, args) -> dict:
             table[f"{mode}/{method}"] = {
                 "n_per_position": {p: len(v) for p, v in by_pos.items()}, "em_by_position": acc,
                 "spread_points": 100 * (max(vals) - min(vals)) if vals else None,
-                "median_ttft_ms": statistics.median(r["ttft_ms"] for r in rows) if rows else None,
-                "median_total_ms": statistics.median(r["total_ms"] for r in rows) if rows else None}
+                "median_ttft_ms": statistics.median(_alone(r, "ttft_ms") for r in rows) if rows else None,
+                "median_total_ms": statistics.median(_alone(r, "total_ms") for r in rows) if rows else None}
     for mode in modes:
         base = table.get(f"{mode}/none")
         for method in filter(lambda m: _applies(m, mode), methods):
@@ -78,6 +85,12 @@ def run(qa, records, args) -> dict:
                                                  base["em_by_position"][p] is not None else None)
                                              for p in positions}
     return table
+
+
+def _alone(row: dict, key: str) -> float:
+    """A row's time (ms) as if asked alone: the methods of one prompt share its exact prefill
+    (LongDocQA keeps recent prefills), so the measured time of a reused prefill is added back."""
+    return row[key] + row.get("reused_prefill_ms", 0.0)
 
 
 def _applies(method: str, mode: str) -> bool:
@@ -116,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=Path("out/bench-debias"))
+    ap.add_argument("--reverse", action="store_true",
+                    help="work through the questions from the last; a second process started with it on the same "
+                         "--out shares the work with a forward one (rows are re-read before each question)")
     args = ap.parse_args(argv)
 
     from ldqa.app.api import LongDocQA

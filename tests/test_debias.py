@@ -163,3 +163,41 @@ def test_buckets_through_the_api(tiny_qa):
     assert [p.title for p in ans.passages] == [p.title for p in PASSAGES]  # order kept
     with pytest.raises(ValueError, match="buckets"):
         tiny_qa.answer("q?", PASSAGES, attention="block", debias="buckets")
+
+
+def test_reused_exact_prefill_gives_the_same_answers(tiny_qa):
+    """Full attention keeps its last prefill: none -> calibrate -> calibrate+reorder -> none on one prompt
+    reuse it (reused_prefill_ms > 0) and give exactly the answers and attention of fresh prefills."""
+    q = "What torque for the fan hub bolts?"
+    methods = ["none", "calibrate", "calibrate+reorder", "sort", "none"]
+    warm = [tiny_qa.answer(q, PASSAGES, debias=m) for m in methods]
+    fresh = []
+    for m in methods:
+        tiny_qa._prefill_memo.clear()
+        fresh.append(tiny_qa.answer(q, PASSAGES, debias=m))
+    assert warm[0].timings["reused_prefill_ms"] == 0.0
+    assert all(a.timings["reused_prefill_ms"] > 0 for a in warm[1:])
+    assert all(a.timings["reused_prefill_ms"] == 0.0 for a in fresh)
+    for w, f in zip(warm, fresh):
+        assert w.text == f.text and [p.title for p in w.passages] == [p.title for p in f.passages]
+        assert w.timings.get("passage_attention") == f.timings.get("passage_attention")
+        assert w.timings.get("passage_weights") == f.timings.get("passage_weights")
+    other = tiny_qa.answer("Which error code is the humidity sensor?", PASSAGES)
+    assert other.timings["reused_prefill_ms"] == 0.0  # another prompt is computed
+
+
+def test_kv_cache_clone_is_independent():
+    from ldqa.attention.kv_cache import KVCache
+
+    c = KVCache(2, 1, 1, 4, capacity=4)
+    for layer in range(2):
+        c.write(layer, torch.ones(1, 1, 3, 4), torch.full((1, 1, 3, 4), 2.0), torch.arange(3))
+    c.advance(3)
+    c.theta_scale, c.policy = 2.0, object()
+    d = c.clone()
+    assert d.length == 3 and d.theta_scale == 2.0 and d.policy is None
+    c.write_at(0, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), torch.tensor([1]))
+    c.write(1, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.tensor([3, 4]))
+    c.advance(2)
+    assert torch.equal(d.keys(0), torch.ones(1, 1, 3, 4)) and torch.equal(d.values(1), torch.full((1, 1, 3, 4), 2.0))
+    assert d.length == 3 and d.positions.tolist() == [0, 1, 2]
