@@ -80,11 +80,35 @@ def run(qa, records, args) -> dict:
             t = table[f"{mode}/{method}"]
             if base and base["median_total_ms"] and t["median_total_ms"]:
                 t["extra_latency_ms"] = t["median_total_ms"] - base["median_total_ms"]
-                t["em_minus_none_points"] = {p: (100 * (t["em_by_position"][p] - base["em_by_position"][p])
-                                                 if t["em_by_position"][p] is not None and
-                                                 base["em_by_position"][p] is not None else None)
-                                             for p in positions}
+            if base and method != "none":
+                t["vs_none"] = {p: paired(done, idx, p, mode, method) for p in positions}
+                t["targets"] = targets(t, base, positions)
     return table
+
+
+def paired(done: dict, idx: list[int], pos: int, mode: str, method: str) -> dict | None:
+    """EM of `method` minus EM of "none" (points) on the questions that have both at gold position
+    `pos`: mean, standard error (SE) of the mean, n."""
+    d = [100 * (done[(i, pos, mode, method)]["em"] - done[(i, pos, mode, "none")]["em"]) for i in idx
+         if (i, pos, mode, method) in done and (i, pos, mode, "none") in done]
+    if not d:
+        return None
+    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else None
+    return {"points": statistics.fmean(d), "se_points": se, "n": len(d)}
+
+
+def targets(t: dict, base: dict, positions: list[int]) -> dict:
+    """Issue 6's targets for one method: best-worst gold position spread <= 5 points; every middle
+    position (not first or last) >= +10 points over "none"; position 1 not worse than "none" by more than
+    1 point. Each: the measured value and whether it is met (None when a cell is missing)."""
+    vs = t["vs_none"]
+    mids = [vs[p]["points"] for p in positions[1:-1] if vs.get(p)]
+    first = vs[positions[0]]["points"] if vs.get(positions[0]) else None
+    spread = t["spread_points"]
+    return {"spread_points": spread, "spread_met": None if spread is None else spread <= 5,
+            "middle_gain_points": min(mids) if mids else None,
+            "middle_met": (min(mids) >= 10) if mids else None,
+            "first_gain_points": first, "first_met": None if first is None else first >= -1}
 
 
 def _alone(row: dict, key: str) -> float:

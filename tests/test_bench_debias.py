@@ -1,0 +1,63 @@
+"""bench_debias (issue 6): the summary's paired differences and targets, and two processes sharing a run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from ldqa.eval import bench_debias as B
+
+RECORDS = [{"question": f"q{i}?", "answers": [f"ans{i}"], "title": f"T{i}", "text": f"passage {i} says ans{i}."}
+           for i in range(30)]
+
+
+class FakeQA:
+    """Answers right when the gold passage is first (none) or always (calibrate); counts calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def answer(self, question, passages, attention, debias, max_new_tokens):
+        self.calls.append((question, debias, attention))
+        i = question[1:-1]
+        right = debias == "calibrate" or f"ans{i}" in passages[0]["text"]
+        return SimpleNamespace(text=f"ans{i}" if right else "no",
+                               timings={"ttft_ms": 10.0, "total_ms": 20.0 if debias == "none" else 25.0,
+                                        "reused_prefill_ms": 0.0 if debias == "none" else 5.0})
+
+
+def _args(tmp_path, reverse=False, n=6):
+    return argparse.Namespace(passages=3, positions="1,2,3", n=n, methods="none,calibrate", attention="full",
+                              seed=0, out=tmp_path, reverse=reverse)
+
+
+def test_summary_pairs_methods_with_none_and_checks_targets(tmp_path):
+    table = B.run(FakeQA(), RECORDS, _args(tmp_path))
+    none, cal = table["full/none"], table["full/calibrate"]
+    assert none["em_by_position"] == {1: 1.0, 2: 0.0, 3: 0.0} and none["spread_points"] == 100
+    assert cal["em_by_position"] == {1: 1.0, 2: 1.0, 3: 1.0}
+    assert cal["vs_none"][2] == {"points": 100.0, "se_points": 0.0, "n": 6}
+    assert cal["vs_none"][1]["points"] == 0.0
+    assert cal["targets"] == {"spread_points": 0.0, "spread_met": True, "middle_gain_points": 100.0,
+                              "middle_met": True, "first_gain_points": 0.0, "first_met": True}
+    assert cal["extra_latency_ms"] == 10.0  # 25 + 5 (the reused prefill added back) - 20
+
+
+def test_forward_and_reverse_processes_share_one_run(tmp_path):
+    a, b = FakeQA(), FakeQA()
+    B.run(a, RECORDS, _args(tmp_path, n=4))  # forward process did its share (all 4 questions here)
+    B.run(b, RECORDS, _args(tmp_path, reverse=True, n=4))
+    assert len(a.calls) == 4 * 3 * 2 and b.calls == []  # nothing redone
+    rows = [json.loads(x) for x in (tmp_path / "debias-3.jsonl").read_text().splitlines()]
+    assert len({(r["i"], r["position"], r["method"]) for r in rows}) == len(rows) == 24
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_partial_rows_are_resumed_not_redone(tmp_path, reverse):
+    B.run(FakeQA(), RECORDS, _args(tmp_path, n=2))
+    qa = FakeQA()
+    B.run(qa, RECORDS, _args(tmp_path, reverse=reverse, n=4))
+    assert len(qa.calls) == 2 * 3 * 2  # only the 2 new questions (the first 2 of a 4-sample are the 2-sample)
