@@ -162,7 +162,10 @@ class BlockRuntime:
             from ldqa.indexes.kv_store import KVBlock
 
             self.kv_store.put(key, KVBlock(k, v, len(prefix_ids)), chunk_id=chunk_id)
-            k, v = k.clone(), v.clone()
+            # use the block as a later hit will read it (rounded to the store dtype): an answer is the
+            # same whether its passages were stored before or encoded just now
+            sd = self.kv_store.dtype
+            k, v = k.to(sd).to(dtype), v.to(sd).to(dtype)
         return k, v
 
     # ------------------------------------------------------------------ assembly

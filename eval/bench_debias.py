@@ -3,8 +3,9 @@
 NQ-open multi-doc (eval/nq.py: the gold passage plus distractors = other questions' gold passages that
 contain no answer string, seeded), k passages with the gold one at each position in --positions, for
 every debias method in --methods and every attention mode in --attention; best-subspan EM; TTFT and the
-extra latency of each method (its median total time minus that of "none"; the methods of one prompt
-share its exact prefill, whose measured time is added back to every row that reused it). Resumable: one JSONL row per
+extra latency of each method (the median over (question, position) of its total time minus that of
+"none", on warm pairs: no passage block encoded anew by either answer; the methods of one prompt share
+its exact prefill, whose measured time is added back to every row that reused it). Resumable: one JSONL row per
 (question, position, attention, method). Writes results-debias-{k}.json and a PNG of accuracy vs gold
 position.
 
@@ -26,6 +27,8 @@ from ldqa.eval.nq import DEFAULT_DATA, load_nq, multidoc_example
 
 
 def run(qa, records, args) -> dict:
+    """Answer every missing (question, position, attention, method) row with `qa` (None: answer nothing,
+    summarize the rows there are) and return the summary table (keys "attention/method")."""
     from tqdm import tqdm
 
     rows_path = args.out / f"debias-{args.passages}.jsonl"
@@ -42,7 +45,8 @@ def run(qa, records, args) -> dict:
     positions = [int(p) for p in args.positions.split(",")]
     methods, modes = args.methods.split(","), args.attention.split(",")
     with open(rows_path, "a") as f:
-        for i in tqdm(idx[::-1] if args.reverse else idx, desc=f"{args.passages} passages", file=sys.stderr):
+        for i in tqdm(([] if qa is None else idx[::-1] if args.reverse else idx), desc=f"{args.passages} passages",
+                      file=sys.stderr):
             refresh()
             for pos in positions:
                 ex = multidoc_example(records, i, args.passages, pos, args.seed)
@@ -58,7 +62,8 @@ def run(qa, records, args) -> dict:
                                "ttft_ms": ans.timings["ttft_ms"], "total_ms": ans.timings["total_ms"],
                                "debias_ms": ans.timings.get("debias_ms", 0.0),
                                "passes": ans.timings.get("debias_passes", 1),
-                               "reused_prefill_ms": ans.timings.get("reused_prefill_ms", 0.0)}
+                               "reused_prefill_ms": ans.timings.get("reused_prefill_ms", 0.0),
+                               "kv_misses": ans.timings.get("kv_misses", 0)}
                         done[key] = row
                         f.write(json.dumps(row) + "\n")
                         f.flush()
@@ -78,12 +83,19 @@ def run(qa, records, args) -> dict:
         base = table.get(f"{mode}/none")
         for method in filter(lambda m: _applies(m, mode), methods):
             t = table[f"{mode}/{method}"]
-            if base and base["median_total_ms"] and t["median_total_ms"]:
-                t["extra_latency_ms"] = t["median_total_ms"] - base["median_total_ms"]
+            extra = [_alone(a, "total_ms") - _alone(b, "total_ms") for a, b in
+                     (_pair(done, i, p, mode, method) for i in idx for p in positions)
+                     if a and b and not a.get("kv_misses") and not b.get("kv_misses")]
+            if base and method != "none" and extra:
+                t["extra_latency_ms"] = statistics.median(extra)
             if base and method != "none":
                 t["vs_none"] = {p: paired(done, idx, p, mode, method) for p in positions}
                 t["targets"] = targets(t, base, positions)
     return table
+
+
+def _pair(done: dict, i: int, pos: int, mode: str, method: str) -> tuple[dict | None, dict | None]:
+    return done.get((i, pos, mode, method)), done.get((i, pos, mode, "none"))
 
 
 def paired(done: dict, idx: list[int], pos: int, mode: str, method: str) -> dict | None:
@@ -153,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=Path("out/bench-debias"))
+    ap.add_argument("--summary-only", action="store_true",
+                    help="load no model: summarize the rows in --out (JSON, markdown table, PNG) as they are")
     ap.add_argument("--reverse", action="store_true",
                     help="work through the questions from the last; a second process started with it on the same "
                          "--out shares the work with a forward one (rows are re-read before each question)")
@@ -162,18 +176,46 @@ def main(argv=None) -> int:
 
     records = load_nq(args.data)
     args.out.mkdir(parents=True, exist_ok=True)
-    qa = LongDocQA(store=Path(tempfile.mkdtemp(prefix="kv-", dir=args.out)), model=args.model, kv_budget_mb=4096)
-    qa.warm_up()
-    bias = {m: qa.bias_curve(args.passages, m).tolist() for m in args.attention.split(",")}
+    qa, bias = None, None
+    if not args.summary_only:
+        qa = LongDocQA(store=Path(tempfile.mkdtemp(prefix="kv-", dir=args.out)), model=args.model,
+                       kv_budget_mb=4096)
+        qa.warm_up()
+        bias = {m: qa.bias_curve(args.passages, m).tolist() for m in args.attention.split(",")}
     table = run(qa, records, args)
     positions = [int(p) for p in args.positions.split(",")]
-    result = {"model": qa.model_name, "passages": args.passages, "seed": args.seed, "bias_curve": bias,
+    result = {"model": qa.model_name if qa else args.model, "passages": args.passages, "seed": args.seed,
+              "bias_curve": bias,
               "distractors": "other questions' gold passages that contain no answer string (eval/nq.py), seeded",
               "table": table}
     (args.out / f"results-debias-{args.passages}.json").write_text(json.dumps(result, indent=1))
     plot(table, positions, args.out / f"debias-{args.passages}.png", args.passages)
-    print(json.dumps(result, indent=1))
+    md = markdown(table, positions)
+    (args.out / f"summary-debias-{args.passages}.md").write_text(md)
+    print(md)
     return 0
+
+
+def markdown(table: dict, positions: list[int]) -> str:
+    """One row per attention/method: n, EM per gold position, paired difference vs none per position
+    (points, SE), spread, median total ms (reused prefills added back) and the extra over none."""
+    def pct(x):
+        return "—" if x is None else f"{x:.3f}"
+
+    head = ["attention/method", "n"] + [f"EM @{p}" for p in positions] + [f"vs none @{p} (SE)" for p in positions] + \
+        ["spread", "median total ms", "extra ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, t in table.items():
+        vs = t.get("vs_none", {})
+        diffs = ["—" if not vs.get(p) else f"{vs[p]['points']:+.1f} ({vs[p]['se_points'] or 0:.1f})"
+                 for p in positions]
+        n = min(t["n_per_position"].values()) if t["n_per_position"] else 0
+        extra = t.get("extra_latency_ms")
+        lines.append("| " + " | ".join([name, str(n)] + [pct(t["em_by_position"][p]) for p in positions] + diffs + [
+            "—" if t["spread_points"] is None else f"{t['spread_points']:.1f}",
+            "—" if t["median_total_ms"] is None else f"{t['median_total_ms']:,.0f}",
+            "—" if extra is None or name.endswith("/none") else f"{extra:+,.0f}"]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def test_summary_pairs_methods_with_none_and_checks_targets(tmp_path):
     assert cal["vs_none"][1]["points"] == 0.0
     assert cal["targets"] == {"spread_points": 0.0, "spread_met": True, "middle_gain_points": 100.0,
                               "middle_met": True, "first_gain_points": 0.0, "first_met": True}
-    assert cal["extra_latency_ms"] == 10.0  # 25 + 5 (the reused prefill added back) - 20
+    assert cal["extra_latency_ms"] == 10.0  # 25 + 5 (the reused prefill added back) - 20, paired
+    assert "extra_latency_ms" not in none
 
 
 def test_forward_and_reverse_processes_share_one_run(tmp_path):
@@ -61,3 +62,24 @@ def test_partial_rows_are_resumed_not_redone(tmp_path, reverse):
     qa = FakeQA()
     B.run(qa, RECORDS, _args(tmp_path, reverse=reverse, n=4))
     assert len(qa.calls) == 2 * 3 * 2  # only the 2 new questions (the first 2 of a 4-sample are the 2-sample)
+
+
+def test_extra_latency_pairs_warm_answers_only(tmp_path):
+    """Block mode: the first answer of a question encodes its passages (kv_misses > 0, slow); the extra
+    latency of a method is measured on warm pairs only."""
+    seen = set()
+
+    class ColdFirst(FakeQA):
+        def answer(self, question, passages, attention, debias, max_new_tokens):
+            ans = super().answer(question, passages, attention, debias, max_new_tokens)
+            cold = question not in seen
+            seen.add(question)
+            ans.timings |= {"kv_misses": 3 if cold else 0, "total_ms": 1000.0 if cold else ans.timings["total_ms"]}
+            return ans
+
+    args = _args(tmp_path)
+    args.attention = "block"
+    table = B.run(ColdFirst(), RECORDS, args)
+    assert table["block/calibrate"]["extra_latency_ms"] == 10.0
+    rows = [json.loads(x) for x in (tmp_path / "debias-3.jsonl").read_text().splitlines()]
+    assert sum(r["kv_misses"] > 0 for r in rows) == 6  # one per question

@@ -182,3 +182,20 @@ def test_bad_header_mode(lm):
     seg = build_prompt(lm.tokenizer, PASSAGES[:1], "q?")
     with pytest.raises(ValueError, match="headers"):
         BlockRuntime(lm.model, "fp").assemble(seg, [None], mode="block", headers="none")
+
+
+def test_a_block_encoded_now_equals_the_stored_block_read_later(lm, tmp_path):
+    """Cold (miss: encoded now) and warm (hit: read from the fp16 store) give the same KV, so an answer
+    does not depend on whether its passages were stored before."""
+    from ldqa.attention.block_attention import PrefillStats
+    from ldqa.indexes.kv_store import KVBlockStore
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "q?")
+    rt = BlockRuntime(lm.model, "fp", kv_store=KVBlockStore(tmp_path / "kv"))
+    stats = PrefillStats()
+    cold = rt.get_block(seg.prefix, seg.passages[1], 7, stats)
+    warm = rt.get_block(seg.prefix, seg.passages[1], 7, stats)
+    assert (stats.kv_misses, stats.kv_hits) == (1, 1)
+    assert torch.equal(cold[0], warm[0]) and torch.equal(cold[1], warm[1])
+    fresh = rt.encode_block(seg.prefix, seg.passages[1])[0]
+    assert not torch.equal(fresh, cold[0])  # the fp16 rounding is there (and now on both paths)
