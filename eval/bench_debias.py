@@ -5,9 +5,10 @@ contain no answer string, seeded), k passages with the gold one at each position
 every debias method in --methods and every attention mode in --attention; best-subspan EM; TTFT and the
 extra latency of each method (the median over (question, position) of its total time minus that of
 "none", on warm pairs: no passage block encoded anew by either answer; the methods of one prompt share
-its exact prefill, whose measured time is added back to every row that reused it). Resumable: one JSONL row per
-(question, position, attention, method). Writes results-debias-{k}.json and a PNG of accuracy vs gold
-position.
+its exact prefill, whose measured time is added back to every row that reused it). Resumable: one JSONL
+row per (question, position, attention, method); two processes can share a run (--reverse). Writes
+results-debias-{k}.json, summary-debias-{k}.md (EM by position, paired differences vs none with SE,
+latency) and a PNG of accuracy vs gold position; --summary-only rewrites them from the rows.
 
     python -m ldqa.eval.bench_debias --passages 10 --positions 1,5,10 --n 200 --out out/bench-debias
 """
@@ -201,7 +202,7 @@ def markdown(table: dict, positions: list[int]) -> str:
     """One row per attention/method: n, EM per gold position, paired difference vs none per position
     (points, SE), spread, median total ms of warm answers (reused prefills added back) and the extra
     over none (paired, warm)."""
-    def pct(x):
+    def em(x):
         return "—" if x is None else f"{x:.3f}"
 
     head = ["attention/method", "n"] + [f"EM @{p}" for p in positions] + [f"vs none @{p} (SE)" for p in positions] + \
@@ -213,7 +214,7 @@ def markdown(table: dict, positions: list[int]) -> str:
                  for p in positions]
         n = min(t["n_per_position"].values()) if t["n_per_position"] else 0
         extra = t.get("extra_latency_ms")
-        lines.append("| " + " | ".join([name, str(n)] + [pct(t["em_by_position"][p]) for p in positions] + diffs + [
+        lines.append("| " + " | ".join([name, str(n)] + [em(t["em_by_position"][p]) for p in positions] + diffs + [
             "—" if t["spread_points"] is None else f"{t['spread_points']:.1f}",
             "—" if t["median_total_ms"] is None else f"{t['median_total_ms']:,.0f}",
             "—" if extra is None or name.endswith("/none") else f"{extra:+,.0f}"]) + " |")
