@@ -38,10 +38,16 @@ def run(qa, records, args) -> dict:
     def refresh():  # rows written so far, by this process or by another one sharing --out
         if rows_path.exists():
             for line in rows_path.read_text().splitlines():
-                r = json.loads(line)
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:  # a row cut short by a killed process: answered again
+                    continue
                 done[(r["i"], r["position"], r["attention"], r["method"])] = r
 
     refresh()
+    if rows_path.exists() and rows_path.stat().st_size and not rows_path.read_bytes().endswith(b"\n"):
+        with open(rows_path, "a") as f:  # start new rows on a line of their own after a cut-off one
+            f.write("\n")
     idx = random.Random(args.seed).sample(range(len(records)), args.n)
     positions = [int(p) for p in args.positions.split(",")]
     methods, modes = args.methods.split(","), args.attention.split(",")

@@ -83,3 +83,15 @@ def test_extra_latency_pairs_warm_answers_only(tmp_path):
     assert table["block/calibrate"]["extra_latency_ms"] == 10.0
     rows = [json.loads(x) for x in (tmp_path / "debias-3.jsonl").read_text().splitlines()]
     assert sum(r["kv_misses"] > 0 for r in rows) == 6  # one per question
+
+
+def test_a_row_cut_off_by_a_killed_process_is_answered_again(tmp_path):
+    B.run(FakeQA(), RECORDS, _args(tmp_path, n=2))
+    path = tmp_path / "debias-3.jsonl"
+    text = path.read_text()
+    path.write_text(text[: len(text) - 30])  # the last row lost its end
+    qa = FakeQA()
+    table = B.run(qa, RECORDS, _args(tmp_path, n=2))
+    assert len(qa.calls) == 1 and table["full/calibrate"]["n_per_position"] == {1: 2, 2: 2, 3: 2}
+    rows = [json.loads(x) for x in path.read_text().splitlines()[-1:]]
+    assert rows[0]["method"] == "calibrate"  # the redone row, on a line of its own
