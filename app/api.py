@@ -573,16 +573,15 @@ class LongDocQA:
         from ldqa.attention.debias import DebiasKV, passage_mass, passage_spans
 
         llm = self.llm
-        if mode == "full":
+        n_q = len(_build_prompt(llm.tokenizer, passages[:1], question, settings).question)
+        if mode == "full":  # the exact prefill records the question's queries itself
             ctx = self._build_context(passages, question, mode, settings, max_new)
             queries = ctx.queries
         else:
-            n_q = len(_build_prompt(llm.tokenizer, passages[:1], question, settings).question)
             rec = DebiasKV(n_record=n_q, scale=llm.model.cfg.attn_scale)
             ctx = self._build_context(passages, question, mode, settings, max_new, rec)
             ctx.cache.policy = None
             queries = rec.queries
-        n_q = len(ctx.prompt.question)
         L = ctx.cache.length
         mass = passage_mass(llm.model, ctx.cache, queries, passage_spans(ctx.prompt), torch.arange(L - n_q, L))
         return ctx, mass

@@ -109,8 +109,7 @@ def _pair(done: dict, i: int, pos: int, mode: str, method: str) -> tuple[dict | 
 def paired(done: dict, idx: list[int], pos: int, mode: str, method: str) -> dict | None:
     """EM of `method` minus EM of "none" (points) on the questions that have both at gold position
     `pos`: mean, standard error (SE) of the mean, n."""
-    d = [100 * (done[(i, pos, mode, method)]["em"] - done[(i, pos, mode, "none")]["em"]) for i in idx
-         if (i, pos, mode, method) in done and (i, pos, mode, "none") in done]
+    d = [100 * (a["em"] - b["em"]) for a, b in (_pair(done, i, pos, mode, method) for i in idx) if a and b]
     if not d:
         return None
     se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else None
