@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,13 @@ def run(qa, records, args) -> dict:
                                "passes": ans.timings.get("debias_passes", 1),
                                "reused_prefill_ms": ans.timings.get("reused_prefill_ms", 0.0),
                                "kv_misses": ans.timings.get("kv_misses", 0)}
+                        for k in ("passage_attention", "calibrated_relevance"):  # in the final passage order
+                            if k in ans.timings:
+                                row[k] = [round(x, 6) for x in ans.timings[k]]
+                        if "passage_attention" in row:
+                            row["gold_slot"] = next(s for s, p in enumerate(ans.passages, 1)
+                                                    if p.title == ex["passages"][pos - 1]["title"]
+                                                    and p.text == ex["passages"][pos - 1]["text"])
                         done[key] = row
                         f.write(json.dumps(row) + "\n")
                         f.flush()
@@ -183,13 +191,17 @@ def main(argv=None) -> int:
 
     records = load_nq(args.data)
     args.out.mkdir(parents=True, exist_ok=True)
-    qa, bias = None, None
-    if not args.summary_only:
-        qa = LongDocQA(store=Path(tempfile.mkdtemp(prefix="kv-", dir=args.out)), model=args.model,
-                       kv_budget_mb=4096)
-        qa.warm_up()
-        bias = {m: qa.bias_curve(args.passages, m).tolist() for m in args.attention.split(",")}
-    table = run(qa, records, args)
+    qa, bias, store = None, None, None
+    try:
+        if not args.summary_only:
+            store = Path(tempfile.mkdtemp(prefix="kv-", dir=args.out))  # this process's passage blocks
+            qa = LongDocQA(store=store, model=args.model, kv_budget_mb=4096)
+            qa.warm_up()
+            bias = {m: qa.bias_curve(args.passages, m).tolist() for m in args.attention.split(",")}
+        table = run(qa, records, args)
+    finally:
+        if store is not None:  # up to GBs of stored blocks; the rows are what the run keeps
+            shutil.rmtree(store, ignore_errors=True)
     positions = [int(p) for p in args.positions.split(",")]
     result = {"model": qa.model_name if qa else args.model, "passages": args.passages, "seed": args.seed,
               "bias_curve": bias,

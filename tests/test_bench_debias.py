@@ -24,9 +24,13 @@ class FakeQA:
         self.calls.append((question, debias, attention))
         i = question[1:-1]
         right = debias == "calibrate" or f"ans{i}" in passages[0]["text"]
-        return SimpleNamespace(text=f"ans{i}" if right else "no",
-                               timings={"ttft_ms": 10.0, "total_ms": 20.0 if debias == "none" else 25.0,
-                                        "reused_prefill_ms": 0.0 if debias == "none" else 5.0})
+        timings = {"ttft_ms": 10.0, "total_ms": 20.0 if debias == "none" else 25.0,
+                   "reused_prefill_ms": 0.0 if debias == "none" else 5.0}
+        final = [SimpleNamespace(**p) for p in passages]
+        if debias == "calibrate":  # like calibrate+reorder: the passages come back in another order
+            final = final[::-1]
+            timings["passage_attention"] = [0.1 * (s + 1) for s in range(len(final))]
+        return SimpleNamespace(text=f"ans{i}" if right else "no", timings=timings, passages=final)
 
 
 def _args(tmp_path, reverse=False, n=6):
@@ -95,3 +99,12 @@ def test_a_row_cut_off_by_a_killed_process_is_answered_again(tmp_path):
     assert len(qa.calls) == 1 and table["full/calibrate"]["n_per_position"] == {1: 2, 2: 2, 3: 2}
     rows = [json.loads(x) for x in path.read_text().splitlines()[-1:]]
     assert rows[0]["method"] == "calibrate"  # the redone row, on a line of its own
+
+
+def test_rows_record_passage_attention_and_where_the_gold_passage_ended_up(tmp_path):
+    B.run(FakeQA(), RECORDS, _args(tmp_path, n=2))
+    rows = [json.loads(line) for line in (tmp_path / "debias-3.jsonl").read_text().splitlines()]
+    cal = [r for r in rows if r["method"] == "calibrate"]
+    assert len(cal) == 6 and all(r["passage_attention"] == [0.1, 0.2, 0.3] for r in cal)
+    assert sorted((r["position"], r["gold_slot"]) for r in cal) == [(1, 3), (1, 3), (2, 2), (2, 2), (3, 1), (3, 1)]
+    assert all("gold_slot" not in r for r in rows if r["method"] == "none")
