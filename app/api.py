@@ -81,7 +81,11 @@ class Answer:
     settings: what was asked for (top_k, retriever, attention, model, recompute_ratio); when block reuse
     is off (its RoPE self-check failed) `attention_used` says "full" and `fallback_reason` why.
     timings also has tokens_reused / tokens_computed and, in block modes, kv_hits, kv_misses,
-    kv_hit_rate, assemble_ms.
+    kv_hit_rate, assemble_ms. With `debias` other than "none": debias_ms and debias_passes; "calibrate",
+    "calibrate+reorder" and "sort" add passage_attention (k,) (attention mass from the question to
+    each passage, as last measured) and the first two
+    calibrated_relevance (k,) and passage_weights (k,) (the intervention's scale per passage). These
+    per-passage lists follow `passages` (the final order).
     """
 
     question: str
@@ -661,7 +665,7 @@ class LongDocQA:
             rel = D.calibrated_relevance(mass, bias)
             if method == "calibrate+reorder":
                 order = D.reorder_for_bias(rel, bias)
-                passages, rel = [passages[i] for i in order], rel[order]
+                passages, rel, mass = [passages[i] for i in order], rel[order], mass[order]
                 if order != list(range(len(passages))):
                     ctx = self._build_context(passages, question, mode, settings, max_new)
                     reused += ctx.reused_prefill_ms

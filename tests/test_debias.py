@@ -103,6 +103,16 @@ def test_debias_methods_keep_passages_and_citations(tiny_qa, method, attention):
         assert len(t["passage_weights"]) == len(PASSAGES)
 
 
+def test_calibrate_reorder_reports_attention_in_the_final_passage_order(tiny_qa):
+    q = "What torque for the fan hub bolts?"
+    cal = tiny_qa.answer(q, PASSAGES, debias="calibrate").timings  # measured in the given order
+    rr = tiny_qa.answer(q, PASSAGES, debias="calibrate+reorder")
+    final = [next(i for i, p in enumerate(PASSAGES) if p.title == f.title) for f in rr.passages]
+    assert final != list(range(len(PASSAGES)))  # reordered, or the check below proves nothing
+    assert rr.timings["passage_attention"] == [cal["passage_attention"][i] for i in final]
+    assert rr.timings["calibrated_relevance"] == [cal["calibrated_relevance"][i] for i in final]
+
+
 def test_sort_moves_the_most_attended_passage_last(tiny_qa):
     ans = tiny_qa.answer("What torque for the fan hub bolts?", PASSAGES, debias="sort")
     att = ans.timings["passage_attention"]  # measured on the final order
