@@ -83,9 +83,9 @@ class Answer:
     timings also has tokens_reused / tokens_computed and, in block modes, kv_hits, kv_misses,
     kv_hit_rate, assemble_ms. With `debias` other than "none": debias_ms and debias_passes; "calibrate",
     "calibrate+reorder" and "sort" add passage_attention (k,) (attention mass from the question to
-    each passage, as last measured) and the first two
-    calibrated_relevance (k,) and passage_weights (k,) (the intervention's scale per passage). These
-    per-passage lists follow `passages` (the final order).
+    each passage, as last measured) and the first two calibrated_relevance (k,) and passage_weights
+    (k,) (the intervention's scale per passage). These per-passage lists follow `passages` (the final
+    order).
     """
 
     question: str
