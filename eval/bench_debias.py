@@ -95,6 +95,9 @@ def run(qa, records, args) -> dict:
                 "spread_points": 100 * (max(vals) - min(vals)) if vals else None,
                 "median_ttft_ms": statistics.median(_alone(r, "ttft_ms") for r in warm) if warm else None,
                 "median_total_ms": statistics.median(_alone(r, "total_ms") for r in warm) if warm else None}
+            ranked = gold_ranked_first(rows, positions)
+            if ranked:
+                table[f"{mode}/{method}"]["gold_ranked_first"] = ranked
     for mode in modes:
         base = table.get(f"{mode}/none")
         for method in filter(lambda m: _applies(m, mode), methods):
@@ -136,6 +139,19 @@ def targets(t: dict, base: dict, positions: list[int]) -> dict:
             "middle_gain_points": min(mids) if mids else None,
             "middle_met": (min(mids) >= 10) if mids else None,
             "first_gain_points": first, "first_met": None if first is None else first >= -1}
+
+
+def gold_ranked_first(rows: list[dict], positions: list[int]) -> dict:
+    """Per gold position: the fraction of rows whose gold passage has the highest calibrated relevance
+    (the ranking "calibrate+reorder" acts on; rows without recorded relevance are left out), and n.
+    Empty when no row has it."""
+    out = {}
+    for p in positions:
+        hits = [max(r["calibrated_relevance"]) == r["calibrated_relevance"][r["gold_slot"] - 1]
+                for r in rows if r["position"] == p and "calibrated_relevance" in r and "gold_slot" in r]
+        if hits:
+            out[p] = {"fraction": sum(hits) / len(hits), "n": len(hits)}
+    return out
 
 
 def _alone(row: dict, key: str) -> float:
@@ -235,6 +251,11 @@ def markdown(table: dict, positions: list[int]) -> str:
             "—" if t["spread_points"] is None else f"{t['spread_points']:.1f}",
             "—" if t["median_total_ms"] is None else f"{t['median_total_ms']:,.0f}",
             "—" if extra is None or name.endswith("/none") else f"{extra:+,.0f}"]) + " |")
+    ranked = [f"{name}: " + ", ".join(f"@{p} {v['fraction']:.2f} (n={v['n']})"
+                                      for p, v in t["gold_ranked_first"].items())
+              for name, t in table.items() if t.get("gold_ranked_first")]
+    if ranked:
+        lines += ["", "Gold passage ranked first by calibrated relevance: " + "; ".join(ranked)]
     return "\n".join(lines) + "\n"
 
 

@@ -30,6 +30,7 @@ class FakeQA:
         if debias == "calibrate":  # like calibrate+reorder: the passages come back in another order
             final = final[::-1]
             timings["passage_attention"] = [0.1 * (s + 1) for s in range(len(final))]
+            timings["calibrated_relevance"] = [0.0, 0.0, 0.1]  # the last slot ranked first
         return SimpleNamespace(text=f"ans{i}" if right else "no", timings=timings, passages=final)
 
 
@@ -108,3 +109,10 @@ def test_rows_record_passage_attention_and_where_the_gold_passage_ended_up(tmp_p
     assert len(cal) == 6 and all(r["passage_attention"] == [0.1, 0.2, 0.3] for r in cal)
     assert sorted((r["position"], r["gold_slot"]) for r in cal) == [(1, 3), (1, 3), (2, 2), (2, 2), (3, 1), (3, 1)]
     assert all("gold_slot" not in r for r in rows if r["method"] == "none")
+
+
+def test_summary_reports_how_often_the_gold_passage_is_ranked_first(tmp_path):
+    table = B.run(FakeQA(), RECORDS, _args(tmp_path, n=2))
+    ranked = table["full/calibrate"]["gold_ranked_first"]  # gold ends in slot 4 - position; slot 3 ranks first
+    assert ranked == {1: {"fraction": 1.0, "n": 2}, 2: {"fraction": 0.0, "n": 2}, 3: {"fraction": 0.0, "n": 2}}
+    assert "gold_ranked_first" not in table["full/none"]
