@@ -520,7 +520,7 @@ class LongDocQA:
         llm = self.llm
         prompt = _build_prompt(llm.tokenizer, passages, question, settings)
         if mode == "full" and policy is None:
-            return self._full_prefill(prompt, max_new)
+            return self._full_prefill(prompt, max_new, settings.get("theta_scale", 1.0))
         if mode in ("full", "retrieval"):
             ids = prompt.ids()
             cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
@@ -535,9 +535,10 @@ class LongDocQA:
             headers=settings.get("block_headers") or DEFAULT_HEADERS)
         return _Context(prompt, cache, logits, stats)
 
-    def _full_prefill(self, prompt, max_new):
+    def _full_prefill(self, prompt, max_new, theta_scale: float = 1.0):
         """Exact prefill of `prompt` (attention="full") with the question's queries recorded (for the
-        debias methods' attention measurement; recording does not change the attention).
+        debias methods' attention measurement; recording does not change the attention). `theta_scale`
+        multiplies the RoPE base of the global layers (Attention Buckets' branches; 1 = the model).
 
         Recent prefills are kept (copies of their KV caches, at most `PREFILL_MEMO_BYTES` in all, least
         recently used dropped first): the same prompt again starts from a copy, bit-identical to
@@ -550,7 +551,7 @@ class LongDocQA:
 
         llm = self.llm
         ids = prompt.ids()
-        key = (tuple(ids), llm.fingerprint)
+        key = (tuple(ids), llm.fingerprint, float(theta_scale))
         memo = self._prefill_memo.get(key)
         if memo is not None:
             self._prefill_memo.move_to_end(key)
@@ -558,7 +559,7 @@ class LongDocQA:
         t0 = time.perf_counter()
         rec = DebiasKV(n_record=len(prompt.question), scale=llm.model.cfg.attn_scale)
         cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
-        cache.policy = rec
+        cache.policy, cache.theta_scale = rec, float(theta_scale)
         logits = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
         cache.policy = None
         ms, size = _ms(t0), cache.capacity * cache.nbytes() // max(1, cache.length)  # bytes of a copy
@@ -591,18 +592,24 @@ class LongDocQA:
         return ctx, mass
 
     def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
-                   block_headers: str | None = None):
+                   block_headers: str | None = None, theta_scale: float = 1.0):
         """The model's position-only attention bias for k passages (k,), in `attention` mode ("full" or a
         block mode, with `block_headers` as in `stream`): found-in-the-middle calibration on irrelevant
         passages from the bundled sample, computed once and cached on disk (per model fingerprint, k,
-        mode, n_examples, seed)."""
+        mode, n_examples, seed). `theta_scale` (full attention only) multiplies the global layers' RoPE
+        base, as an Attention Buckets branch does: where its troughs fall. Raises ValueError for a
+        theta_scale other than 1 in a block mode (stored blocks carry the model's base)."""
         from ldqa.attention.block_attention import DEFAULT_HEADERS
         from ldqa.attention.debias import bias_cache_path, estimate_bias, load_or_estimate_bias
         from ldqa.attention.loader import cache_root
 
         llm = self.llm
-        settings = {"recompute_ratio": 0.15, "block_headers": block_headers or DEFAULT_HEADERS}
+        if theta_scale != 1.0 and attention != "full":
+            raise ValueError(f"theta_scale={theta_scale} needs attention='full', not {attention!r}")
+        settings = {"recompute_ratio": 0.15, "block_headers": block_headers or DEFAULT_HEADERS,
+                    "theta_scale": float(theta_scale)}
         key = attention + (f"-{settings['block_headers']}-headers" if attention.startswith("block") else "")
+        key += f"-rope{theta_scale:g}" if theta_scale != 1.0 else ""
         path = bias_cache_path(cache_root(), llm.fingerprint, k, key, n_examples, seed)
 
         def measure(ps, q):
@@ -614,8 +621,6 @@ class LongDocQA:
         """Attention Buckets (ldqa.attention.debias.BUCKET_SCALES): one exact prefill per RoPE base scale
         of the global layers. Returns (branch 0's context with the ensemble's first logits, the
         BucketEnsemble that decodes all branches, timings)."""
-        import torch
-
         from ldqa.attention.debias import BUCKET_SCALES
         from ldqa.attention.generate import BucketEnsemble
 
@@ -623,17 +628,13 @@ class LongDocQA:
         llm = self.llm
         scales = tuple(settings.get("bucket_scales") or BUCKET_SCALES)
         prompt = _build_prompt(llm.tokenizer, passages, question, settings)
-        ids = prompt.ids()
-        caches, logits = [], []
-        for s in scales:
-            cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
-            cache.theta_scale = float(s)
-            logits.append(llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache))
-            caches.append(cache)
-        ens = BucketEnsemble(llm.model, caches)
-        first = ens.pick(logits)
+        branches = [self._full_prefill(prompt, max_new, s) for s in scales]  # each kept like any exact prefill
+        ens = BucketEnsemble(llm.model, [b.cache for b in branches])
+        first = ens.pick([b.logits for b in branches])
         settings["bucket_scales"] = list(scales)
-        return _Context(prompt, caches[0], first, None), ens, {"debias_ms": _ms(t0), "debias_passes": len(scales)}
+        reused = sum(b.reused_prefill_ms for b in branches)
+        return (_Context(prompt, branches[0].cache, first, None, reused_prefill_ms=reused), ens,
+                {"debias_ms": _ms(t0), "debias_passes": len(scales), "reused_prefill_ms": reused})
 
     def _debiased_context(self, passages, question, mode, settings, max_new):
         """Position debiasing (ldqa.attention.debias). Returns (context ready to decode, passages in their

@@ -175,6 +175,33 @@ def test_buckets_through_the_api(tiny_qa):
         tiny_qa.answer("q?", PASSAGES, attention="block", debias="buckets")
 
 
+def test_buckets_reuse_kept_exact_prefills_per_rope_scale(tiny_qa):
+    """Attention Buckets' branch of scale 1 is the plain exact prefill ("none" on the same prompt leaves
+    it to reuse); the other branches are kept under their own scale; answers equal fresh ones."""
+    q = "What torque for the fan hub bolts?"
+    tiny_qa._prefill_memo.clear()
+    tiny_qa.answer(q, PASSAGES, max_new_tokens=4)
+    warm = tiny_qa.answer(q, PASSAGES, debias="buckets", max_new_tokens=4)
+    assert sorted(k[2] for k in tiny_qa._prefill_memo) == sorted(D.BUCKET_SCALES)
+    again = tiny_qa.answer(q, PASSAGES, debias="buckets", max_new_tokens=4)
+    assert 0 < warm.timings["reused_prefill_ms"] < again.timings["reused_prefill_ms"]
+    tiny_qa._prefill_memo.clear()
+    fresh = tiny_qa.answer(q, PASSAGES, debias="buckets", max_new_tokens=4)
+    assert fresh.timings["reused_prefill_ms"] == 0.0
+    for a in (warm, again):
+        assert a.text == fresh.text and a.timings["bucket_steps_chosen"] == fresh.timings["bucket_steps_chosen"]
+
+
+def test_bias_curve_under_another_rope_scale(tiny_qa):
+    a = tiny_qa.bias_curve(3, "full", n_examples=2, seed=1)
+    half = tiny_qa.bias_curve(3, "full", n_examples=2, seed=1, theta_scale=0.5)
+    assert half.shape == (3,) and not torch.equal(half, a)
+    assert any("rope0.5" in p.name for p in Path(tiny_qa_cache(tiny_qa)).glob("debias/*.json"))
+    torch.testing.assert_close(tiny_qa.bias_curve(3, "full", n_examples=2, seed=1), a, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="theta_scale"):
+        tiny_qa.bias_curve(3, "block", n_examples=2, seed=1, theta_scale=0.5)
+
+
 def test_reused_exact_prefill_gives_the_same_answers(tiny_qa):
     """Full attention keeps its last prefill: none -> calibrate -> calibrate+reorder -> none on one prompt
     reuse it (reused_prefill_ms > 0) and give exactly the answers and attention of fresh prefills."""
