@@ -1,0 +1,111 @@
+"""Diagnostics behind the position-debiasing choices (issue 6); not a benchmark of the product's answers.
+
+rope-scales: the full-attention bias curve (found-in-the-middle calibration, `LongDocQA.bias_curve`) with
+  the global layers' RoPE base multiplied by each scale: where each Attention Buckets branch has its
+  troughs (Chen et al. 2023, sec. 3: branches should fill each other's troughs), and the flatness of
+  the best branch per slot for the default `BUCKET_SCALES`.
+ranking: on held-out NQ-open questions (seeded, none of bench_debias's questions for the same seed and
+  n), the gold passage at each position among distractors (eval/nq.py), one token answered with
+  debias="calibrate": how often the gold passage has the highest score under three calibrations of
+  the measured attention mass a against the bias curve b: raw a, a - b (found-in-the-middle, what ldqa
+  uses), a / b. Says whether a position's ranking misses come from the calibration's form.
+
+    python -m ldqa.eval.diag_debias rope-scales --scales 0.25,0.5,1,2 --out out/diag-debias
+    python -m ldqa.eval.diag_debias ranking --attention block --n 60 --out out/diag-debias
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from ldqa.eval.nq import DEFAULT_DATA, load_nq, multidoc_example
+
+CALIBRATIONS = {"raw": lambda a, b: a, "subtract": lambda a, b: a - b, "ratio": lambda a, b: a / b}
+
+
+def gold_first(rows: list[dict], positions: list[int]) -> dict:
+    """{calibration: {position: fraction of rows whose gold passage scores highest}}; rows carry
+    `mass` and `bias` (k,) lists and their 1-based gold `position` (the passages in the given order)."""
+    out = {}
+    for name, f in CALIBRATIONS.items():
+        out[name] = {}
+        for p in positions:
+            hits = []
+            for r in (r for r in rows if r["position"] == p):
+                s = [f(a, b) for a, b in zip(r["mass"], r["bias"])]
+                hits.append(all(s[p - 1] > x for j, x in enumerate(s) if j != p - 1))
+            out[name][p] = sum(hits) / len(hits) if hits else None
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["rope-scales", "ranking"])
+    ap.add_argument("--scales", default="0.25,0.5,1,2", help="rope-scales: RoPE base multipliers")
+    ap.add_argument("--passages", type=int, default=10)
+    ap.add_argument("--positions", default="1,5,10")
+    ap.add_argument("--attention", default="block", help="ranking: full or block")
+    ap.add_argument("--n", type=int, default=60, help="ranking: held-out questions")
+    ap.add_argument("--bench-n", type=int, default=200, help="ranking: questions bench_debias uses (excluded)")
+    ap.add_argument("--seed", type=int, default=0, help="bench_debias's seed (its questions, the distractors)")
+    ap.add_argument("--held-out-seed", type=int, default=8, help="ranking: which held-out questions")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--out", type=Path, default=Path("out/diag-debias"))
+    args = ap.parse_args(argv)
+
+    from ldqa.app.api import LongDocQA
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    qa = LongDocQA(store=Path(tempfile.mkdtemp(prefix="kv-", dir=args.out)), kv_budget_mb=4096)
+    qa.warm_up()
+    if args.what == "rope-scales":
+        curves = {}
+        for s in (float(x) for x in args.scales.split(",")):
+            curves[s] = [round(x, 5) for x in qa.bias_curve(args.passages, "full", theta_scale=s).tolist()]
+            print(f"x{s:g}", curves[s], flush=True)
+        from ldqa.attention.debias import BUCKET_SCALES
+
+        branches = [curves[s] for s in BUCKET_SCALES if s in curves]
+        best = [max(col) for col in zip(*branches)] if branches else None
+        result = {"passages": args.passages, "curves": curves, "bucket_scales": list(BUCKET_SCALES),
+                  "best_branch_per_slot": best}
+        if best:
+            print("best of", BUCKET_SCALES, [round(x, 3) for x in best], f"max/min {max(best) / min(best):.2f}",
+                  f"(scale 1 alone: {max(curves[1.0]) / min(curves[1.0]):.2f})" if 1.0 in curves else "")
+        (args.out / f"rope-scales-{args.passages}.json").write_text(json.dumps(result, indent=1))
+        return 0
+    records = load_nq(args.data)
+    bench = set(random.Random(args.seed).sample(range(len(records)), args.bench_n))
+    held_out = random.Random(args.held_out_seed).sample([i for i in range(len(records)) if i not in bench], args.n)
+    positions = [int(p) for p in args.positions.split(",")]
+    bias = qa.bias_curve(args.passages, args.attention).tolist()
+    rows_path = args.out / f"ranking-{args.attention}-{args.passages}.jsonl"
+    done = {(r["i"], r["position"]) for r in map(json.loads, rows_path.read_text().splitlines())} \
+        if rows_path.exists() else set()
+    with open(rows_path, "a") as f:
+        for i in held_out:
+            for p in positions:
+                if (i, p) in done:
+                    continue
+                ex = multidoc_example(records, i, args.passages, p, args.seed)
+                ans = qa.answer(ex["question"], ex["passages"], attention=args.attention, debias="calibrate",
+                                max_new_tokens=1)
+                f.write(json.dumps({"i": i, "position": p, "mass": ans.timings["passage_attention"],
+                                    "bias": bias}) + "\n")
+                f.flush()
+    rows = [r for r in map(json.loads, rows_path.read_text().splitlines()) if r["i"] in held_out]
+    result = {"attention": args.attention, "passages": args.passages, "n": args.n,
+              "gold_ranked_first": gold_first(rows, positions)}
+    (args.out / f"ranking-{args.attention}-{args.passages}.json").write_text(json.dumps(result, indent=1))
+    for name, by_pos in result["gold_ranked_first"].items():
+        print(f"{name:9s}", "  ".join(f"@{p} {v:.2f}" for p, v in by_pos.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
