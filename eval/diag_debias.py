@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -61,7 +62,14 @@ def main(argv=None) -> int:
     from ldqa.app.api import LongDocQA
 
     args.out.mkdir(parents=True, exist_ok=True)
-    qa = LongDocQA(store=Path(tempfile.mkdtemp(prefix="kv-", dir=args.out)), kv_budget_mb=4096)
+    store = Path(tempfile.mkdtemp(prefix="kv-", dir=args.out))  # this process's passage blocks
+    try:
+        return _run(LongDocQA(store=store, kv_budget_mb=4096), args)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def _run(qa, args) -> int:
     qa.warm_up()
     if args.what == "rope-scales":
         curves = {}
