@@ -634,7 +634,7 @@ class LongDocQA:
         settings["bucket_scales"] = list(scales)
         reused = sum(b.reused_prefill_ms for b in branches)
         return (_Context(prompt, branches[0].cache, first, None, reused_prefill_ms=reused), ens,
-                {"debias_ms": _ms(t0), "debias_passes": len(scales), "reused_prefill_ms": reused})
+                {"debias_ms": _ms(t0), "debias_passes": len(scales)})
 
     def _debiased_context(self, passages, question, mode, settings, max_new):
         """Position debiasing (ldqa.attention.debias). Returns (context ready to decode, passages in their

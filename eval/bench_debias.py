@@ -143,18 +143,18 @@ def targets(t: dict, base: dict, positions: list[int]) -> dict:
 
 def gold_ranked_first(rows: list[dict], positions: list[int]) -> dict:
     """Per gold position: the fraction of rows whose gold passage has the highest calibrated relevance,
-    ties counted as misses (the ranking "calibrate+reorder" acts on; rows without recorded relevance are left out), and n.
-    Empty when no row has it."""
+    ties counted as misses (the ranking "calibrate+reorder" acts on; rows without recorded relevance
+    are left out), and n. Empty when no row has it."""
     out = {}
     for p in positions:
-        hits = [_first(r["calibrated_relevance"], r["gold_slot"] - 1)
+        hits = [ranked_first(r["calibrated_relevance"], r["gold_slot"] - 1)
                 for r in rows if r["position"] == p and "calibrated_relevance" in r and "gold_slot" in r]
         if hits:
             out[p] = {"fraction": sum(hits) / len(hits), "n": len(hits)}
     return out
 
 
-def _first(scores: list[float], g: int) -> bool:
+def ranked_first(scores: list[float], g: int) -> bool:
     """Whether index g scores strictly above every other (a tie is a miss)."""
     return all(scores[g] > x for j, x in enumerate(scores) if j != g)
 

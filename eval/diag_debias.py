@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ldqa.eval.bench_debias import _first
+from ldqa.eval.bench_debias import ranked_first
 from ldqa.eval.nq import DEFAULT_DATA, load_nq, multidoc_example
 
 CALIBRATIONS = {"raw": lambda a, b: a, "subtract": lambda a, b: a - b, "ratio": lambda a, b: a / b}
@@ -39,7 +39,7 @@ def gold_first(rows: list[dict], positions: list[int]) -> dict:
         for p in positions:
             hits = []
             for r in (r for r in rows if r["position"] == p):
-                hits.append(_first([f(a, b) for a, b in zip(r["mass"], r["bias"])], p - 1))
+                hits.append(ranked_first([f(a, b) for a, b in zip(r["mass"], r["bias"])], p - 1))
             out[name][p] = sum(hits) / len(hits) if hits else None
     return out
 
