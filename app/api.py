@@ -84,8 +84,9 @@ class Answer:
     kv_hit_rate, assemble_ms. With `debias` other than "none": debias_ms and debias_passes; "calibrate",
     "calibrate+reorder" and "sort" add passage_attention (k,) (attention mass from the question to
     each passage, as last measured) and the first two calibrated_relevance (k,) and passage_weights
-    (k,) (the intervention's scale per passage). These per-passage lists follow `passages` (the final
-    order).
+    (k,) (the intervention's scale per passage), and with settings["debias_orders"] == 2
+    passage_attention_reversed (k,) (each passage's mass measured with the order reversed). These
+    per-passage lists follow `passages` (the final order).
     """
 
     question: str
@@ -355,15 +356,16 @@ class LongDocQA:
     def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
             max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
             block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
-            **retrieval) -> Answer:
+            debias_orders: int | None = None, **retrieval) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
         return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio, debias,
-                           block_headers, instruction, answer_prefix, **retrieval).result()
+                           block_headers, instruction, answer_prefix, debias_orders=debias_orders,
+                           **retrieval).result()
 
     def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
                max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
                block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
-               **retrieval) -> AnswerStream:
+               debias_orders: int | None = None, **retrieval) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
@@ -379,6 +381,10 @@ class LongDocQA:
         debias: "none", "calibrate" (found-in-the-middle calibrated attention intervention),
         "calibrate+reorder" (also move the most relevant passages to the best-attended slots) or "sort"
         (attention sorting); see `ldqa.attention.debias` (not with attention="retrieval").
+        debias_orders: passage orders the two calibrate methods measure attention in: 1 (the given
+        order) or 2 (also reversed; each passage's calibrated relevance averaged over its two slots);
+        default `ldqa.attention.debias.MEASURE_ORDERS` (2 in block modes: one more re-assembly from
+        stored blocks; 1 with full attention, where it would cost another prefill).
         block_headers: "cached" (default; each "Passage [n]" header is a reused block, only the question
         is computed fresh) or "fresh" (headers computed with the question, attending to all before them).
         instruction: the prompt's instruction (default `ldqa.app.prompt.INSTRUCTION`); answer_prefix: the
@@ -391,25 +397,27 @@ class LongDocQA:
         check_prompt_options(instruction, answer_prefix)
         _check_attention(attention, recompute_ratio, block_headers)
         rcfg = _retrieval_config(attention, retrieval)
-        _check_debias(debias, attention)
+        _check_debias(debias, attention, debias_orders)
         self.warm_up()  # model loading is not part of a question's timings
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
-        settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "retrieval_config": rcfg,
+        settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "debias_orders": debias_orders,
+                    "retrieval_config": rcfg,
                     "block_headers": block_headers, **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
                                    retrieval_ms, settings, t0)
 
     def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
                recompute_ratio: float | None = None, debias: str = "none", block_headers: str | None = None,
-               instruction: str | None = None, answer_prefix: str = "", **retrieval) -> Answer:
+               instruction: str | None = None, answer_prefix: str = "", debias_orders: int | None = None,
+               **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
 
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
         `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
         passages without a chunk_id are stored but not tied to a document. `attention` and the retrieval
-        settings, `instruction` and `answer_prefix` as in `stream`.
+        settings, `instruction`, `answer_prefix` and `debias_orders` as in `stream`.
         """
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question is empty: ask something")
@@ -418,10 +426,11 @@ class LongDocQA:
         _check_attention(attention, recompute_ratio, block_headers)
         check_prompt_options(instruction, answer_prefix)
         rcfg = _retrieval_config(attention, retrieval)
-        _check_debias(debias, attention)
+        _check_debias(debias, attention, debias_orders)
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
         settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg, "debias": debias,
+                    "debias_orders": debias_orders,
                     "block_headers": block_headers, **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
                                    settings, time.perf_counter()).result()
@@ -458,6 +467,12 @@ class LongDocQA:
             settings["block_headers"] = settings.get("block_headers") or DEFAULT_HEADERS
         else:
             settings.pop("block_headers", None)
+        if settings.get("debias") in ("calibrate", "calibrate+reorder"):
+            from ldqa.attention.debias import MEASURE_ORDERS
+
+            settings["debias_orders"] = settings.get("debias_orders") or MEASURE_ORDERS[attention]
+        else:
+            settings.pop("debias_orders", None)
         stream = AnswerStream(iter(()))
         stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings,
                                         max_new or self.max_new_tokens, t0, rcfg)
@@ -664,10 +679,21 @@ class LongDocQA:
             bias = self.bias_curve(len(passages), mode if mode != "retrieval" else "full",
                                    block_headers=settings.get("block_headers"))
             rel = D.calibrated_relevance(mass, bias)
+            k, rctx = len(passages), None
+            if settings.get("debias_orders", 1) == 2 and k > 1:  # also measure in the reversed order
+                rctx, mass_rev = self._measure(passages[::-1], question, mode, settings, max_new)
+                reused += rctx.reused_prefill_ms
+                passes += 1
+                rel = D.two_order_relevance(mass, mass_rev, bias)
+                out["passage_attention_reversed"] = mass_rev.flip(0)  # per passage, in the given order
             if method == "calibrate+reorder":
                 order = D.reorder_for_bias(rel, bias)
                 passages, rel, mass = [passages[i] for i in order], rel[order], mass[order]
-                if order != list(range(len(passages))):
+                if "passage_attention_reversed" in out:
+                    out["passage_attention_reversed"] = out["passage_attention_reversed"][order]
+                if order == list(range(k))[::-1] and rctx is not None:
+                    ctx = rctx  # the reversed context is already built
+                elif order != list(range(k)):
                     ctx = self._build_context(passages, question, mode, settings, max_new)
                     reused += ctx.reused_prefill_ms
                     passes += 1
@@ -681,6 +707,8 @@ class LongDocQA:
             ctx.logits = llm.model(torch.tensor([ctx.prompt.question]), ctx.cache.positions[q_slots].clone(),
                                    ctx.cache, slots=q_slots)
             out["passage_weights"] = log_w.exp().tolist()
+            if "passage_attention_reversed" in out:
+                out["passage_attention_reversed"] = out["passage_attention_reversed"].tolist()
             out["calibrated_relevance"] = rel.tolist()
         out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist(),
                 "reused_prefill_ms": reused}
@@ -738,11 +766,14 @@ def _check_attention(attention, ratio, block_headers=None) -> None:
         raise ValueError(f"block_headers={block_headers!r}: choose one of {', '.join(HEADER_MODES)}")
 
 
-def _check_debias(debias: str, attention: str) -> None:
+def _check_debias(debias: str, attention: str, orders: int | None = None) -> None:
     from ldqa.attention.debias import METHODS
 
     if debias not in METHODS:
         raise ValueError(f"debias={debias!r}: choose one of {', '.join(METHODS)}")
+    if orders is not None and (isinstance(orders, bool) or orders not in (1, 2)):
+        raise ValueError(f"debias_orders={orders!r}: choose 1 (the given order) or 2 (also reversed), or None "
+                         "for the default")
     if debias != "none" and attention == "retrieval":
         raise ValueError("debias methods work with attention='full', 'block' or 'block+recompute', not 'retrieval'")
     if debias == "buckets" and attention != "full":

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "calibrate+reorder (also move relevant passages to well-attended slots), "
                             "sort (attention sorting), buckets (Attention Buckets: parallel branches with "
                             "different RoPE bases; full attention only)")
+        p.add_argument("--debias-orders", type=int, choices=[1, 2], default=None,
+                       help="calibrate methods: measure passage attention in the given order (1) or also reversed "
+                            "(2; default 2 in block modes, 1 with full attention)")
         p.add_argument("--block-headers", choices=["cached", "fresh"], default=None,
                        help="block modes: cached (default; each 'Passage [n]' header is a reused block, only the "
                             "question is computed fresh) or fresh (headers computed with the question)")
@@ -140,7 +143,7 @@ def cmd_ask(args) -> int:
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
               max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
               block_headers=args.block_headers, instruction=args.instruction, answer_prefix=args.answer_prefix,
-              **_retrieval_kw(args))
+              debias_orders=args.debias_orders, **_retrieval_kw(args))
     if args.json:
         print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
         return 0
@@ -190,7 +193,8 @@ def cmd_demo(args) -> int:
         print(f"\n== Q: {q['question']}")
         ans = qa.ask(q["question"], top_k=args.top_k, retriever=args.retriever, attention=args.attention,
                      max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
-                     debias=args.debias, block_headers=args.block_headers, **_retrieval_kw(args))
+                     debias=args.debias, block_headers=args.block_headers, debias_orders=args.debias_orders,
+                     **_retrieval_kw(args))
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")

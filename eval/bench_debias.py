@@ -46,6 +46,8 @@ def run(qa, records, args) -> dict:
                 done[(r["i"], r["position"], r["attention"], r["method"])] = r
 
     refresh()
+    if qa is not None:
+        check_orders(done.values(), args.debias_orders)
     if rows_path.exists() and rows_path.stat().st_size and not rows_path.read_bytes().endswith(b"\n"):
         with open(rows_path, "a") as f:  # start new rows on a line of their own after a cut-off one
             f.write("\n")
@@ -64,7 +66,7 @@ def run(qa, records, args) -> dict:
                         if key in done or not _applies(method, mode):
                             continue
                         ans = qa.answer(ex["question"], ex["passages"], attention=mode, debias=method,
-                                        max_new_tokens=32)
+                                        max_new_tokens=32, debias_orders=args.debias_orders)
                         row = {"i": i, "position": pos, "attention": mode, "method": method,
                                "prediction": ans.text, "em": best_subspan_em(ans.text, ex["answers"]),
                                "ttft_ms": ans.timings["ttft_ms"], "total_ms": ans.timings["total_ms"],
@@ -72,6 +74,8 @@ def run(qa, records, args) -> dict:
                                "passes": ans.timings.get("debias_passes", 1),
                                "reused_prefill_ms": ans.timings.get("reused_prefill_ms", 0.0),
                                "kv_misses": ans.timings.get("kv_misses", 0)}
+                        if "debias_orders" in ans.settings:
+                            row["debias_orders"] = ans.settings["debias_orders"]
                         for k in ("passage_attention", "calibrated_relevance"):  # in the final passage order
                             if k in ans.timings:
                                 row[k] = [round(x, 6) for x in ans.timings[k]]
@@ -111,6 +115,21 @@ def run(qa, records, args) -> dict:
                 t["vs_none"] = {p: paired(done, idx, p, mode, method) for p in positions}
                 t["targets"] = targets(t, base, positions)
     return table
+
+
+def check_orders(rows, orders: int | None) -> None:
+    """Raise SystemExit if a calibrate row in `rows` was measured with other debias_orders than a run
+    with `orders` (None: the default per attention mode, MEASURE_ORDERS) would use: resuming would
+    mix two settings under one method name. Rows without the field predate it (1 order)."""
+    from ldqa.attention.debias import MEASURE_ORDERS
+
+    for r in rows:
+        if r["method"] in ("calibrate", "calibrate+reorder"):
+            want = orders or MEASURE_ORDERS[r["attention"]]
+            if r.get("debias_orders", 1) != want:
+                raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_orders="
+                                 f"{r.get('debias_orders', 1)}, this run would use {want}: give another --out "
+                                 f"(or --debias-orders {r.get('debias_orders', 1)})")
 
 
 def _pair(done: dict, i: int, pos: int, mode: str, method: str) -> tuple[dict | None, dict | None]:
@@ -201,6 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=Path("out/bench-debias"))
+    ap.add_argument("--debias-orders", type=int, choices=[1, 2], default=None,
+                    help="passage orders the calibrate methods measure (default: ldqa's, 2 in block modes, 1 full)")
     ap.add_argument("--summary-only", action="store_true",
                     help="load no model: summarize the rows in --out (JSON, markdown table, PNG) as they are")
     ap.add_argument("--reverse", action="store_true",

@@ -20,7 +20,7 @@ class FakeQA:
     def __init__(self):
         self.calls = []
 
-    def answer(self, question, passages, attention, debias, max_new_tokens):
+    def answer(self, question, passages, attention, debias, max_new_tokens, debias_orders=None):
         self.calls.append((question, debias, attention))
         i = question[1:-1]
         right = debias == "calibrate" or f"ans{i}" in passages[0]["text"]
@@ -31,12 +31,13 @@ class FakeQA:
             final = final[::-1]
             timings["passage_attention"] = [0.1 * (s + 1) for s in range(len(final))]
             timings["calibrated_relevance"] = [0.0, 0.0, 0.1]  # the last slot ranked first
-        return SimpleNamespace(text=f"ans{i}" if right else "no", timings=timings, passages=final)
+        settings = {"debias_orders": debias_orders or 1} if debias.startswith("calibrate") else {}
+        return SimpleNamespace(text=f"ans{i}" if right else "no", timings=timings, passages=final, settings=settings)
 
 
 def _args(tmp_path, reverse=False, n=6):
     return argparse.Namespace(passages=3, positions="1,2,3", n=n, methods="none,calibrate", attention="full",
-                              seed=0, out=tmp_path, reverse=reverse)
+                              seed=0, out=tmp_path, reverse=reverse, debias_orders=None)
 
 
 def test_summary_pairs_methods_with_none_and_checks_targets(tmp_path):
@@ -75,8 +76,8 @@ def test_extra_latency_pairs_warm_answers_only(tmp_path):
     seen = set()
 
     class ColdFirst(FakeQA):
-        def answer(self, question, passages, attention, debias, max_new_tokens):
-            ans = super().answer(question, passages, attention, debias, max_new_tokens)
+        def answer(self, question, passages, attention, debias, max_new_tokens, debias_orders=None):
+            ans = super().answer(question, passages, attention, debias, max_new_tokens, debias_orders)
             cold = question not in seen
             seen.add(question)
             ans.timings |= {"kv_misses": 3 if cold else 0, "total_ms": 1000.0 if cold else ans.timings["total_ms"]}
@@ -116,3 +117,17 @@ def test_summary_reports_how_often_the_gold_passage_is_ranked_first(tmp_path):
     ranked = table["full/calibrate"]["gold_ranked_first"]  # gold ends in slot 4 - position; slot 3 ranks first
     assert ranked == {1: {"fraction": 1.0, "n": 2}, 2: {"fraction": 0.0, "n": 2}, 3: {"fraction": 0.0, "n": 2}}
     assert "gold_ranked_first" not in table["full/none"]
+
+
+def test_rows_record_debias_orders_and_a_run_with_other_orders_does_not_resume_them(tmp_path):
+    args = _args(tmp_path, n=2)
+    args.debias_orders = 1
+    B.run(FakeQA(), RECORDS, args)
+    rows = [json.loads(line) for line in (tmp_path / "debias-3.jsonl").read_text().splitlines()]
+    assert {r.get("debias_orders") for r in rows if r["method"] == "calibrate"} == {1}
+    assert all("debias_orders" not in r for r in rows if r["method"] == "none")
+    B.run(FakeQA(), RECORDS, _args(tmp_path, n=2))  # the default for full attention is 1 order too
+    args.debias_orders = 2
+    with pytest.raises(SystemExit, match="debias_orders=1"):
+        B.run(FakeQA(), RECORDS, args)
+    B.run(None, RECORDS, args)  # summarizing the rows as they are is fine

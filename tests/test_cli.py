@@ -40,6 +40,13 @@ def test_cli_ingest_then_ask_json(tmp_path, tiny_model_dir):
     assert all(p["path"] and p["title"] for p in ans["passages"])
     assert "18 Nm" in " ".join(p["text"] for p in ans["passages"])  # BM25 finds the bulletin's torque
 
+    r = _ldqa("ask", "What torque for the fan hub bolts?", "--store", store, "--model", model, "--top-k", "2",
+              "--max-new-tokens", "2", "--attention", "block", "--debias", "calibrate", "--debias-orders", "1",
+              "--json")
+    assert r.returncode == 0, r.stderr
+    ans = json.loads(r.stdout)
+    assert ans["settings"]["debias_orders"] == 1 and ans["timings"]["debias_passes"] == 1
+
 
 def test_cli_errors_are_clear(tmp_path, tiny_model_dir):
     model = tiny_model_dir("gemma3")

@@ -70,6 +70,22 @@ def test_calibration_algebra_flat_bias_is_identity():
         D.calibrated_relevance(mass, torch.zeros(3))
 
 
+def test_two_order_relevance_cancels_a_bias_error_linear_in_the_slot():
+    # observed mass = true bias + relevance; the bias estimate is off by e_s, linear in the slot
+    true_bias = torch.tensor([0.10, 0.06, 0.05, 0.07, 0.12])
+    rel = torch.tensor([0.30, 0.0, 0.0, 0.0, 0.0])  # passage 0 is the relevant one
+    err = 0.2 * (2 - torch.arange(5.0))  # overestimates slot 0 by 0.4
+    est = true_bias + err
+    mass = true_bias + rel  # passage p at slot p
+    mass_rev = true_bias + rel.flip(0)  # reversed order: passage 4 - s at slot s
+    single = D.calibrated_relevance(mass, est)
+    assert int(single.argmax()) != 0  # one order misranks the relevant passage
+    two = D.two_order_relevance(mass, mass_rev, est)
+    torch.testing.assert_close(two, rel)  # e_s + e_(4-s) = 0: the error cancels
+    with pytest.raises(ValueError, match="mass_rev"):
+        D.two_order_relevance(mass, mass_rev[:4], est)
+
+
 def test_bias_curve_is_deterministic_for_a_seed_and_cached(tiny_qa):
     a = tiny_qa.bias_curve(3, "full", n_examples=2, seed=1)
     cached = list(Path(tiny_qa_cache(tiny_qa)).glob("debias/*.json"))
@@ -111,6 +127,39 @@ def test_calibrate_reorder_reports_attention_in_the_final_passage_order(tiny_qa)
     assert final != list(range(len(PASSAGES)))  # reordered, or the check below proves nothing
     assert rr.timings["passage_attention"] == [cal["passage_attention"][i] for i in final]
     assert rr.timings["calibrated_relevance"] == [cal["calibrated_relevance"][i] for i in final]
+
+
+def test_two_order_measurement_default_in_block_mode(tiny_qa):
+    q = "What torque for the fan hub bolts?"
+    two = tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate")
+    assert two.settings["debias_orders"] == 2 and two.timings["debias_passes"] == 2
+    rev = tiny_qa.answer(q, PASSAGES[::-1], attention="block", debias="calibrate", debias_orders=1)
+    assert rev.settings["debias_orders"] == 1 and "passage_attention_reversed" not in rev.timings
+    # the second measurement is the reversed prompt's, reported per passage in the given order
+    torch.testing.assert_close(torch.tensor(two.timings["passage_attention_reversed"]),
+                               torch.tensor(rev.timings["passage_attention"][::-1]), rtol=1e-4, atol=1e-6)
+    bias = tiny_qa.bias_curve(len(PASSAGES), "block")
+    expect = D.two_order_relevance(torch.tensor(two.timings["passage_attention"]),
+                                   torch.tensor(rev.timings["passage_attention"]), bias)
+    torch.testing.assert_close(torch.tensor(two.timings["calibrated_relevance"]), expect, rtol=1e-4, atol=1e-6)
+    full = tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate")
+    assert full.settings["debias_orders"] == 1 and full.timings["debias_passes"] == 1
+    assert "debias_orders" not in tiny_qa.answer(q, PASSAGES, attention="block", debias="sort").settings
+    with pytest.raises(ValueError, match="debias_orders"):
+        tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_orders=3)
+
+
+def test_calibrate_reorder_with_two_orders_reuses_the_reversed_context(tiny_qa, monkeypatch):
+    q = "What torque for the fan hub bolts?"
+    cal = tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate").timings
+    monkeypatch.setattr(D, "reorder_for_bias", lambda rel, bias: list(range(len(rel)))[::-1])
+    rr = tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate+reorder")
+    assert [p.title for p in rr.passages] == [p.title for p in PASSAGES[::-1]]
+    assert rr.timings["debias_passes"] == 2  # measured twice; the reversed context was not built again
+    for key in ("passage_attention", "passage_attention_reversed", "calibrated_relevance"):
+        assert rr.timings[key] == cal[key][::-1]  # in the final order
+    for c in rr.citations:
+        assert c.title == rr.passages[c.n - 1].title
 
 
 def test_sort_moves_the_most_attended_passage_last(tiny_qa):
