@@ -65,7 +65,8 @@ METHODS = ("none", "calibrate", "calibrate+reorder", "sort", "buckets")
 BUCKET_SCALES = (1.0, 0.5, 2.0)
 # Passage orders the calibrate methods measure, per attention mode (1: the given order; 2: also the
 # reversed one). Block modes re-assemble stored blocks for the second (a few hundred ms at 10 passages);
-# full attention would pay a second prefill and already ranks well from one.
+# full attention would pay a second prefill (~6 s at 10 passages on a CPU core) and meets the spread target
+# with one order (docs/results.md, issue 6).
 MEASURE_ORDERS = {"full": 1, "block": 2, "block+recompute": 2}
 
 
