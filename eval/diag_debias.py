@@ -8,10 +8,13 @@ ranking: on held-out NQ-open questions (seeded, none of bench_debias's questions
   n), the gold passage at each position among distractors (eval/nq.py), one token answered with
   debias="calibrate": how often the gold passage has the highest score under three calibrations of
   the measured attention mass a against the bias curve b: raw a, a - b (found-in-the-middle, what ldqa
-  uses), a / b. Says whether a position's ranking misses come from the calibration's form.
+  uses), a / b. Says whether a position's ranking misses come from the calibration's form. With
+  --orders 2 each question is also measured with the passages reversed (debias_orders=2, what block
+  modes do by default) and the two-order scores are added: "subtract-2" (ldqa's
+  `two_order_relevance`) and "ratio-2" (a / b averaged over both slots).
 
     python -m ldqa.eval.diag_debias rope-scales --scales 0.25,0.5,1,2 --out out/diag-debias
-    python -m ldqa.eval.diag_debias ranking --attention block --n 60 --out out/diag-debias
+    python -m ldqa.eval.diag_debias ranking --attention block --n 60 --orders 2 --out out/diag-debias
 """
 
 from __future__ import annotations
@@ -28,18 +31,26 @@ from ldqa.eval.bench_debias import ranked_first
 from ldqa.eval.nq import DEFAULT_DATA, load_nq, multidoc_example
 
 CALIBRATIONS = {"raw": lambda a, b: a, "subtract": lambda a, b: a - b, "ratio": lambda a, b: a / b}
+TWO_ORDER = {"subtract-2": "subtract", "ratio-2": "ratio"}  # the same, averaged over the given and reversed order
 
 
 def gold_first(rows: list[dict], positions: list[int]) -> dict:
     """{calibration: {position: fraction of rows whose gold passage scores highest}}; rows carry
-    `mass` and `bias` (k,) lists and their 1-based gold `position` (the passages in the given order)."""
+    `mass` and `bias` (k,) lists and their 1-based gold `position` (the passages in the given order);
+    rows that also carry `mass_rev` (k,: each passage's mass with the order reversed, listed in the
+    given order) add the two-order calibrations of TWO_ORDER (passage p's reversed slot is k-1-p)."""
+    def score(r, name):
+        if name in CALIBRATIONS:
+            return [CALIBRATIONS[name](a, b) for a, b in zip(r["mass"], r["bias"])]
+        f = CALIBRATIONS[TWO_ORDER[name]]
+        return [(f(a, b) + f(a2, b2)) / 2 for a, b, a2, b2 in zip(r["mass"], r["bias"], r["mass_rev"], r["bias"][::-1])]
+
+    names = list(CALIBRATIONS) + (list(TWO_ORDER) if rows and all("mass_rev" in r for r in rows) else [])
     out = {}
-    for name, f in CALIBRATIONS.items():
+    for name in names:
         out[name] = {}
         for p in positions:
-            hits = []
-            for r in (r for r in rows if r["position"] == p):
-                hits.append(ranked_first([f(a, b) for a, b in zip(r["mass"], r["bias"])], p - 1))
+            hits = [ranked_first(score(r, name), p - 1) for r in rows if r["position"] == p]
             out[name][p] = sum(hits) / len(hits) if hits else None
     return out
 
@@ -55,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-n", type=int, default=200, help="ranking: questions bench_debias uses (excluded)")
     ap.add_argument("--seed", type=int, default=0, help="bench_debias's seed (its questions, the distractors)")
     ap.add_argument("--held-out-seed", type=int, default=8, help="ranking: which held-out questions")
+    ap.add_argument("--orders", type=int, choices=[1, 2], default=1,
+                    help="ranking: measure in the given order only (1) or also reversed (2)")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--out", type=Path, default=Path("out/diag-debias"))
     args = ap.parse_args(argv)
@@ -92,7 +105,8 @@ def _run(qa, args) -> int:
     held_out = random.Random(args.held_out_seed).sample([i for i in range(len(records)) if i not in bench], args.n)
     positions = [int(p) for p in args.positions.split(",")]
     bias = qa.bias_curve(args.passages, args.attention).tolist()
-    rows_path = args.out / f"ranking-{args.attention}-{args.passages}.jsonl"
+    name = f"ranking-{args.attention}-{args.passages}" + ("-orders2" if args.orders == 2 else "")
+    rows_path = args.out / f"{name}.jsonl"
     done = {(r["i"], r["position"]) for r in map(json.loads, rows_path.read_text().splitlines())} \
         if rows_path.exists() else set()
     with open(rows_path, "a") as f:
@@ -102,16 +116,18 @@ def _run(qa, args) -> int:
                     continue
                 ex = multidoc_example(records, i, args.passages, p, args.seed)
                 ans = qa.answer(ex["question"], ex["passages"], attention=args.attention, debias="calibrate",
-                                max_new_tokens=1)
-                f.write(json.dumps({"i": i, "position": p, "mass": ans.timings["passage_attention"],
-                                    "bias": bias}) + "\n")
+                                max_new_tokens=1, debias_orders=args.orders)
+                row = {"i": i, "position": p, "mass": ans.timings["passage_attention"], "bias": bias}
+                if args.orders == 2:
+                    row["mass_rev"] = ans.timings["passage_attention_reversed"]
+                f.write(json.dumps(row) + "\n")
                 f.flush()
     rows = [r for r in map(json.loads, rows_path.read_text().splitlines()) if r["i"] in held_out]
-    result = {"attention": args.attention, "passages": args.passages, "n": args.n,
+    result = {"attention": args.attention, "passages": args.passages, "n": args.n, "orders": args.orders,
               "gold_ranked_first": gold_first(rows, positions)}
-    (args.out / f"ranking-{args.attention}-{args.passages}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     for name, by_pos in result["gold_ranked_first"].items():
-        print(f"{name:9s}", "  ".join(f"@{p} {v:.2f}" for p, v in by_pos.items()))
+        print(f"{name:10s}", "  ".join(f"@{p} {v:.2f}" for p, v in by_pos.items()))
     return 0
 
 

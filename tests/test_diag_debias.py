@@ -15,3 +15,14 @@ def test_gold_first_under_each_calibration():
     assert out["subtract"] == {1: 1.0, 3: 0.5}
     assert out["ratio"] == {1: 1.0, 3: 0.5}
     assert gold_first(rows, [2])["raw"] == {2: None}
+
+
+def test_gold_first_with_a_second_measurement_in_the_reversed_order():
+    bias = [0.3, 0.1, 0.1]  # slot 1 overestimated for this gold passage: one order misses it
+    rows = [{"position": 1, "mass": [0.35, 0.2, 0.1], "bias": bias,
+             "mass_rev": [0.4, 0.1, 0.25]}]  # per passage; gold (passage 1) sat at slot 3 (bias 0.1)
+    out = gold_first(rows, [1])
+    assert out["subtract"] == {1: 0.0}  # 0.05 < 0.1
+    assert out["subtract-2"] == {1: 1.0}  # (0.05 + 0.3) / 2 beats (0.1 + 0) / 2 and (0 + -0.05) / 2
+    assert set(out) == {"raw", "subtract", "ratio", "subtract-2", "ratio-2"}
+    assert "subtract-2" not in gold_first([{k: v for k, v in rows[0].items() if k != "mass_rev"}], [1])
