@@ -403,8 +403,8 @@ class LongDocQA:
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
         settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "debias_orders": debias_orders,
-                    "retrieval_config": rcfg,
-                    "block_headers": block_headers, **_prompt_settings(instruction, answer_prefix)}
+                    "retrieval_config": rcfg, "block_headers": block_headers,
+                    **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
                                    retrieval_ms, settings, t0)
 
@@ -430,8 +430,8 @@ class LongDocQA:
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
         settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg, "debias": debias,
-                    "debias_orders": debias_orders,
-                    "block_headers": block_headers, **_prompt_settings(instruction, answer_prefix)}
+                    "debias_orders": debias_orders, "block_headers": block_headers,
+                    **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
                                    settings, time.perf_counter()).result()
 

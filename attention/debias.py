@@ -40,8 +40,9 @@ Methods (`METHODS`):
   model's base). Cost: len(BUCKET_SCALES) prefills and decodes.
 
 Extra cost per question (k passages, T question tokens): "calibrate" recomputes the T question tokens
-once (with orders=2 it also builds the reversed context: block modes a re-assembly, full a prefill); the reordering methods rebuild the context once per round (full attention: a full prefill each;
-block attention: re-assembly from stored blocks, a few ms plus the question). The bias curve is computed
+once (with orders=2 it also builds the reversed context: block modes a re-assembly, full a prefill);
+the reordering methods rebuild the context once per round (full attention: a full prefill each; block
+attention: re-assembly from stored blocks, a few ms plus the question). The bias curve is computed
 once per (model, k, attention mode) from a calibration set built from ldqa's bundled sample documents
 and question templates of our own writing, and cached on disk.
 """

@@ -47,7 +47,7 @@ def run(qa, records, args) -> dict:
 
     refresh()
     if qa is not None:
-        check_orders(done.values(), args.debias_orders)
+        check_orders(done.values(), args.debias_orders, args.methods.split(","), args.attention.split(","))
     if rows_path.exists() and rows_path.stat().st_size and not rows_path.read_bytes().endswith(b"\n"):
         with open(rows_path, "a") as f:  # start new rows on a line of their own after a cut-off one
             f.write("\n")
@@ -117,14 +117,15 @@ def run(qa, records, args) -> dict:
     return table
 
 
-def check_orders(rows, orders: int | None) -> None:
-    """Raise SystemExit if a calibrate row in `rows` was measured with other debias_orders than a run
-    with `orders` (None: the default per attention mode, MEASURE_ORDERS) would use: resuming would
-    mix two settings under one method name. Rows without the field predate it (1 order)."""
+def check_orders(rows, orders: int | None, methods: list[str], modes: list[str]) -> None:
+    """Raise SystemExit if a calibrate row in `rows` of one of the `methods` x `modes` this run answers
+    was measured with other debias_orders than the run would use (`orders`; None: the default per
+    attention mode, MEASURE_ORDERS): resuming would mix two settings under one method name. Rows
+    without the field predate it (1 order)."""
     from ldqa.attention.debias import MEASURE_ORDERS
 
     for r in rows:
-        if r["method"] in ("calibrate", "calibrate+reorder"):
+        if r["method"] in ("calibrate", "calibrate+reorder") and r["method"] in methods and r["attention"] in modes:
             want = orders or MEASURE_ORDERS[r["attention"]]
             if r.get("debias_orders", 1) != want:
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_orders="

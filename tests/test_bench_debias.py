@@ -131,3 +131,5 @@ def test_rows_record_debias_orders_and_a_run_with_other_orders_does_not_resume_t
     with pytest.raises(SystemExit, match="debias_orders=1"):
         B.run(FakeQA(), RECORDS, args)
     B.run(None, RECORDS, args)  # summarizing the rows as they are is fine
+    args.methods = "none"  # a run of other methods is not blocked by calibrate rows it does not resume
+    B.run(FakeQA(), RECORDS, args)
