@@ -19,8 +19,8 @@ from pathlib import Path
 SAMPLE_DIR = Path(__file__).parent / "sample"
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", help="collection directory (default: the user's data dir, ldqa/default)")
+def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
+    p.add_argument("--store", help=store_help or "collection directory (default: the user's data dir, ldqa/default)")
     p.add_argument("--model", default=None,
                    help="gemma3-270m (default), smollm2-135m, a .gguf file or a Hugging Face model directory")
 
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (("ask", "answer a question from the collection"),
                         ("demo", "ingest the bundled sample and answer its questions")):
         p = sub.add_parser(name, help=help_)
-        _common(p)
+        _common(p, "collection directory (default: a temporary one, removed when the demo ends)" if name == "demo"
+                else None)
         if name == "ask":
             p.add_argument("question")
             p.add_argument("--instruction", default=None,
@@ -179,8 +180,11 @@ def cmd_demo(args) -> int:
 
     from ldqa.eval.metrics import best_subspan_em
 
-    store = args.store or tempfile.mkdtemp(prefix="ldqa-demo-")
-    args.store = store
+    if args.store is None:  # a throwaway collection, removed at the end (give --store DIR to keep it)
+        with tempfile.TemporaryDirectory(prefix="ldqa-demo-") as tmp:
+            args.store = tmp
+            return cmd_demo(args)
+    store = args.store
     qa = _qa(args)
     print(f"== ingesting the bundled sample ({SAMPLE_DIR / 'docs'}) into {store}")
     report = qa.ingest([SAMPLE_DIR / "docs"])

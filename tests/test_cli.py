@@ -67,3 +67,15 @@ def test_generic_package_names_do_not_leak(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True", "False"]
+
+
+def test_demo_without_store_removes_its_temporary_collection(tmp_path, tiny_model_dir):
+    env_tmp = tmp_path / "tmp"
+    env_tmp.mkdir()
+    exe = shutil.which("ldqa", path=str(Path(sys.executable).parent)) or "ldqa"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(env_tmp)}
+    r = subprocess.run([exe, "demo", "--model", str(tiny_model_dir("gemma3")), "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"into {env_tmp}" in r.stdout and "answers contain the gold answer" in r.stdout
+    assert not list(env_tmp.glob("ldqa-demo-*"))  # the throwaway collection is gone
