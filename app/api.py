@@ -678,19 +678,19 @@ class LongDocQA:
         else:
             bias = self.bias_curve(len(passages), mode if mode != "retrieval" else "full",
                                    block_headers=settings.get("block_headers"))
-            rel = D.calibrated_relevance(mass, bias)
-            k, rctx = len(passages), None
+            k, rctx, rev = len(passages), None, None
             if settings.get("debias_orders", 1) == 2 and k > 1:  # also measure in the reversed order
                 rctx, mass_rev = self._measure(passages[::-1], question, mode, settings, max_new)
                 reused += rctx.reused_prefill_ms
                 passes += 1
                 rel = D.two_order_relevance(mass, mass_rev, bias)
-                out["passage_attention_reversed"] = mass_rev.flip(0)  # per passage, in the given order
+                rev = mass_rev.flip(0)  # per passage, in the given order
+            else:
+                rel = D.calibrated_relevance(mass, bias)
             if method == "calibrate+reorder":
                 order = D.reorder_for_bias(rel, bias)
                 passages, rel, mass = [passages[i] for i in order], rel[order], mass[order]
-                if "passage_attention_reversed" in out:
-                    out["passage_attention_reversed"] = out["passage_attention_reversed"][order]
+                rev = rev[order] if rev is not None else None
                 if order == list(range(k))[::-1] and rctx is not None:
                     ctx = rctx  # the reversed context is already built
                 elif order != list(range(k)):
@@ -707,8 +707,8 @@ class LongDocQA:
             ctx.logits = llm.model(torch.tensor([ctx.prompt.question]), ctx.cache.positions[q_slots].clone(),
                                    ctx.cache, slots=q_slots)
             out["passage_weights"] = log_w.exp().tolist()
-            if "passage_attention_reversed" in out:
-                out["passage_attention_reversed"] = out["passage_attention_reversed"].tolist()
+            if rev is not None:
+                out["passage_attention_reversed"] = rev.tolist()
             out["calibrated_relevance"] = rel.tolist()
         out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist(),
                 "reused_prefill_ms": reused}
