@@ -8,7 +8,8 @@ extra latency of each method (the median over (question, position) of its total 
 its exact prefill, whose measured time is added back to every row that reused it). Resumable: one JSONL
 row per (question, position, attention, method); two processes can share a run (--reverse). Writes
 results-debias-{k}.json, summary-debias-{k}.md (EM by position, paired differences vs none with SE,
-latency) and a PNG of accuracy vs gold position; --summary-only rewrites them from the rows.
+latency; a length control: EM on each answer's first 5 words) and a PNG of accuracy vs gold position;
+--summary-only rewrites them from the rows.
 
     python -m ldqa.eval.bench_debias --passages 10 --positions 1,5,10 --n 200 --out out/bench-debias
 """
@@ -99,6 +100,11 @@ def run(qa, records, args) -> dict:
                 "spread_points": 100 * (max(vals) - min(vals)) if vals else None,
                 "median_ttft_ms": statistics.median(_alone(r, "ttft_ms") for r in warm) if warm else None,
                 "median_total_ms": statistics.median(_alone(r, "total_ms") for r in warm) if warm else None}
+            short = {p: [best_subspan_em(first_words(r["prediction"]), records[r["i"]]["answers"])
+                         for r in rows if r["position"] == p] for p in positions}
+            table[f"{mode}/{method}"] |= {
+                "em_first_words_by_position": {p: (sum(v) / len(v) if v else None) for p, v in short.items()},
+                "median_answer_words": statistics.median(len(r["prediction"].split()) for r in rows) if rows else None}
             ranked = gold_ranked_first(rows, positions)
             if ranked:
                 table[f"{mode}/{method}"]["gold_ranked_first"] = ranked
@@ -177,6 +183,17 @@ def gold_ranked_first(rows: list[dict], positions: list[int]) -> dict:
 def ranked_first(scores: list[float], g: int) -> bool:
     """Whether index g scores strictly above every other (a tie is a miss)."""
     return all(scores[g] > x for j, x in enumerate(scores) if j != g)
+
+
+SHORT_ANSWER_WORDS = 5
+
+
+def first_words(text: str, n: int = SHORT_ANSWER_WORDS) -> str:
+    """The first n words of the first non-empty line of an answer: a length control for best-subspan EM,
+    which a longer answer satisfies more easily. A method whose gain holds on first_words did not buy it
+    with longer answers."""
+    line = next((ln for ln in text.splitlines() if ln.strip()), "")
+    return " ".join(line.split()[:n])
 
 
 def _alone(row: dict, key: str) -> float:
@@ -261,7 +278,7 @@ def main(argv=None) -> int:
 def markdown(table: dict, positions: list[int]) -> str:
     """One row per attention/method: n, EM per gold position, paired difference vs none per position
     (points, SE), spread, median total ms of warm answers (reused prefills added back) and the extra
-    over none (paired, warm)."""
+    over none (paired, warm); then the length control (EM on first_words, median answer words)."""
     def em(x):
         return "—" if x is None else f"{x:.3f}"
 
@@ -278,6 +295,14 @@ def markdown(table: dict, positions: list[int]) -> str:
             "—" if t["spread_points"] is None else f"{t['spread_points']:.1f}",
             "—" if t["median_total_ms"] is None else f"{t['median_total_ms']:,.0f}",
             "—" if extra is None or name.endswith("/none") else f"{extra:+,.0f}"]) + " |")
+    lines += ["", f"Length control: best-subspan EM on the first {SHORT_ANSWER_WORDS} words of the answer's first "
+              "line, and the median answer length (words)", "",
+              "| attention/method | " + " | ".join(f"@{p}" for p in positions) + " | median words |",
+              "|" + "---|" * (len(positions) + 2)]
+    for name, t in table.items():
+        short = t.get("em_first_words_by_position", {})
+        lines.append(f"| {name} | " + " | ".join(em(short.get(p)) for p in positions) +
+                     " | " + ("—" if t.get("median_answer_words") is None else f"{t['median_answer_words']:g}") + " |")
     ranked = [f"{name}: " + ", ".join(f"@{p} {v['fraction']:.2f} (n={v['n']})"
                                       for p, v in t["gold_ranked_first"].items())
               for name, t in table.items() if t.get("gold_ranked_first")]

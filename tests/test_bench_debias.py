@@ -133,3 +133,29 @@ def test_rows_record_debias_orders_and_a_run_with_other_orders_does_not_resume_t
     B.run(None, RECORDS, args)  # summarizing the rows as they are is fine
     args.methods = "none"  # a run of other methods is not blocked by calibrate rows it does not resume
     B.run(FakeQA(), RECORDS, args)
+
+
+def test_first_words_is_the_start_of_the_first_non_empty_line():
+    assert B.first_words("\n  Paul Williams and Roger Nichols wrote it\n(Title: x)") == "Paul Williams and Roger Nichols"
+    assert B.first_words("") == "" and B.first_words("a b", n=1) == "a"
+
+
+class WordyQA(FakeQA):
+    """calibrate answers right only by appending the answer after five other words."""
+
+    def answer(self, question, passages, **kw):
+        ans = super().answer(question, passages, **kw)
+        if kw["debias"] == "calibrate":
+            ans.text = "one two three four five " + ans.text
+        return ans
+
+
+def test_length_control_scores_only_the_first_words(tmp_path):
+    table = B.run(WordyQA(), RECORDS, _args(tmp_path))
+    cal, none = table["full/calibrate"], table["full/none"]
+    assert cal["em_by_position"] == {1: 1.0, 2: 1.0, 3: 1.0}  # best-subspan EM finds the late answer
+    assert cal["em_first_words_by_position"] == {1: 0.0, 2: 0.0, 3: 0.0}  # the length control does not
+    assert none["em_first_words_by_position"] == none["em_by_position"]
+    assert cal["median_answer_words"] == 6 and none["median_answer_words"] == 1
+    md = B.markdown(table, [1, 2, 3])
+    assert "| full/calibrate | 0.000 | 0.000 | 0.000 | 6 |" in md
