@@ -105,6 +105,9 @@ def run(qa, records, args) -> dict:
             table[f"{mode}/{method}"] |= {
                 "em_first_words_by_position": {p: (sum(v) / len(v) if v else None) for p, v in short.items()},
                 "median_answer_words": statistics.median(len(r["prediction"].split()) for r in rows) if rows else None}
+            null = spread_null(rows, positions, seed=args.seed)
+            if null:
+                table[f"{mode}/{method}"]["spread_null"] = null
             ranked = gold_ranked_first(rows, positions)
             if ranked:
                 table[f"{mode}/{method}"]["gold_ranked_first"] = ranked
@@ -165,6 +168,37 @@ def targets(t: dict, base: dict, positions: list[int]) -> dict:
             "middle_gain_points": min(mids) if mids else None,
             "middle_met": (min(mids) >= 10) if mids else None,
             "first_gain_points": first, "first_met": None if first is None else first >= -1}
+
+
+def spread_null(rows: list[dict], positions: list[int], n_perm: int = 1000, seed: int = 0) -> dict | None:
+    """The spread (points) a method with no position effect would show on these questions: each
+    question's EM values are shuffled among the gold positions (a permutation test within question),
+    n_perm times, seeded. Returns the null's median and 95th percentile and the p-value of the observed
+    spread (the fraction of permutations at least as wide), over the questions answered at every
+    position; None when fewer than two positions or no such question. Says whether a spread above 5
+    points is a position effect or what n questions leave as noise."""
+    by_q: dict[int, dict[int, float]] = {}
+    for r in rows:
+        by_q.setdefault(r["i"], {})[r["position"]] = r["em"]
+    ems = [[q[p] for p in positions] for q in by_q.values() if all(p in q for p in positions)]
+    if len(positions) < 2 or not ems:
+        return None
+
+    def spread(cols):
+        return 100 * (max(cols) - min(cols)) / len(ems)
+
+    observed = spread([sum(c) for c in zip(*ems)])
+    rng, null = random.Random(seed), []
+    for _ in range(n_perm):
+        tot = [0.0] * len(positions)
+        for v in ems:
+            v = v[:]
+            rng.shuffle(v)
+            tot = [a + b for a, b in zip(tot, v)]
+        null.append(spread(tot))
+    null.sort()
+    return {"median_points": statistics.median(null), "p95_points": null[int(0.95 * (n_perm - 1))],
+            "p_value": sum(x >= observed - 1e-9 for x in null) / n_perm, "n": len(ems)}
 
 
 def gold_ranked_first(rows: list[dict], positions: list[int]) -> dict:
@@ -278,7 +312,8 @@ def main(argv=None) -> int:
 def markdown(table: dict, positions: list[int]) -> str:
     """One row per attention/method: n, EM per gold position, paired difference vs none per position
     (points, SE), spread, median total ms of warm answers (reused prefills added back) and the extra
-    over none (paired, warm); then the length control (EM on first_words, median answer words)."""
+    over none (paired, warm); then the length control (EM on first_words, median answer words) and the
+    spread against its permutation null (spread_null)."""
     def em(x):
         return "—" if x is None else f"{x:.3f}"
 
@@ -303,6 +338,12 @@ def markdown(table: dict, positions: list[int]) -> str:
         short = t.get("em_first_words_by_position", {})
         lines.append(f"| {name} | " + " | ".join(em(short.get(p)) for p in positions) +
                      " | " + ("—" if t.get("median_answer_words") is None else f"{t['median_answer_words']:g}") + " |")
+    nulls = [f"{name} {t['spread_points']:.1f} (null median {t['spread_null']['median_points']:.1f}, 95% "
+             f"{t['spread_null']['p95_points']:.1f}, p {t['spread_null']['p_value']:.3f})"
+             for name, t in table.items() if t.get("spread_null")]
+    if nulls:
+        lines += ["", "Spread vs a method with no position effect (each question's EM shuffled among the "
+                  "positions, 1,000 times): " + "; ".join(nulls)]
     ranked = [f"{name}: " + ", ".join(f"@{p} {v['fraction']:.2f} (n={v['n']})"
                                       for p, v in t["gold_ranked_first"].items())
               for name, t in table.items() if t.get("gold_ranked_first")]

@@ -159,3 +159,21 @@ def test_length_control_scores_only_the_first_words(tmp_path):
     assert cal["median_answer_words"] == 6 and none["median_answer_words"] == 1
     md = B.markdown(table, [1, 2, 3])
     assert "| full/calibrate | 0.000 | 0.000 | 0.000 | 6 |" in md
+
+
+def test_spread_null_tells_a_position_effect_from_noise(tmp_path):
+    positions = [1, 2, 3]
+    # right only at position 1 on every question: no shuffle of the positions is that wide as often
+    effect = [{"i": i, "position": p, "em": float(p == 1)} for i in range(12) for p in positions]
+    null = B.spread_null(effect, positions, n_perm=200)
+    assert null["n"] == 12 and null["p_value"] < 0.01 and null["p95_points"] < 100
+    # right on half the questions at every position: flat, every shuffle gives the same spread 0
+    flat = [{"i": i, "position": p, "em": float(i % 2)} for i in range(12) for p in positions]
+    assert B.spread_null(flat, positions, n_perm=200) == {"median_points": 0.0, "p95_points": 0.0,
+                                                          "p_value": 1.0, "n": 12}
+    # seeded; questions missing a position are left out
+    assert B.spread_null(effect + [{"i": 99, "position": 1, "em": 1.0}], positions, n_perm=50, seed=3) == \
+        B.spread_null(effect, positions, n_perm=50, seed=3)
+    assert B.spread_null(effect, [1]) is None
+    table = B.run(FakeQA(), RECORDS, _args(tmp_path))
+    assert table["full/none"]["spread_null"]["p_value"] < 0.05 and "Spread vs a method" in B.markdown(table, positions)
