@@ -173,9 +173,9 @@ def targets(t: dict, base: dict, positions: list[int]) -> dict:
 def spread_null(rows: list[dict], positions: list[int], n_perm: int = 1000, seed: int = 0) -> dict | None:
     """The spread (points) a method with no position effect would show on these questions: each
     question's EM values are shuffled among the gold positions (a permutation test within question),
-    n_perm times, seeded. Returns the null's median and 95th percentile and the p-value of the observed
-    spread (the fraction of permutations at least as wide), over the questions answered at every
-    position; None when fewer than two positions or no such question. Says whether a spread above 5
+    n_perm times, seeded. Returns the observed spread, the null's median and 95th percentile and the
+    p-value of the observed spread (the fraction of permutations at least as wide), all over the
+    questions answered at every position (n); None when fewer than two positions or no such question. Says whether a spread above 5
     points is a position effect or what n questions leave as noise."""
     by_q: dict[int, dict[int, float]] = {}
     for r in rows:
@@ -197,7 +197,8 @@ def spread_null(rows: list[dict], positions: list[int], n_perm: int = 1000, seed
             tot = [a + b for a, b in zip(tot, v)]
         null.append(spread(tot))
     null.sort()
-    return {"median_points": statistics.median(null), "p95_points": null[int(0.95 * (n_perm - 1))],
+    return {"observed_points": observed, "median_points": statistics.median(null),
+            "p95_points": null[int(0.95 * (n_perm - 1))],
             "p_value": sum(x >= observed - 1e-9 for x in null) / n_perm, "n": len(ems)}
 
 
@@ -338,7 +339,7 @@ def markdown(table: dict, positions: list[int]) -> str:
         short = t.get("em_first_words_by_position", {})
         lines.append(f"| {name} | " + " | ".join(em(short.get(p)) for p in positions) +
                      " | " + ("—" if t.get("median_answer_words") is None else f"{t['median_answer_words']:g}") + " |")
-    nulls = [f"{name} {t['spread_points']:.1f} (null median {t['spread_null']['median_points']:.1f}, 95% "
+    nulls = [f"{name} {t['spread_null']['observed_points']:.1f} (n={t['spread_null']['n']}, null median {t['spread_null']['median_points']:.1f}, 95% "
              f"{t['spread_null']['p95_points']:.1f}, p {t['spread_null']['p_value']:.3f})"
              for name, t in table.items() if t.get("spread_null")]
     if nulls:

@@ -166,11 +166,11 @@ def test_spread_null_tells_a_position_effect_from_noise(tmp_path):
     # right only at position 1 on every question: no shuffle of the positions is that wide as often
     effect = [{"i": i, "position": p, "em": float(p == 1)} for i in range(12) for p in positions]
     null = B.spread_null(effect, positions, n_perm=200)
-    assert null["n"] == 12 and null["p_value"] < 0.01 and null["p95_points"] < 100
+    assert null["n"] == 12 and null["observed_points"] == 100 and null["p_value"] < 0.01 and null["p95_points"] < 100
     # right on half the questions at every position: flat, every shuffle gives the same spread 0
     flat = [{"i": i, "position": p, "em": float(i % 2)} for i in range(12) for p in positions]
-    assert B.spread_null(flat, positions, n_perm=200) == {"median_points": 0.0, "p95_points": 0.0,
-                                                          "p_value": 1.0, "n": 12}
+    assert B.spread_null(flat, positions, n_perm=200) == {"observed_points": 0.0, "median_points": 0.0,
+                                                          "p95_points": 0.0, "p_value": 1.0, "n": 12}
     # seeded; questions missing a position are left out
     assert B.spread_null(effect + [{"i": 99, "position": 1, "em": 1.0}], positions, n_perm=50, seed=3) == \
         B.spread_null(effect, positions, n_perm=50, seed=3)
