@@ -91,26 +91,29 @@ def run(qa, records, args) -> dict:
     for mode in modes:
         for method in filter(lambda m: _applies(m, mode), methods):
             rows = [r for r in done.values() if r["attention"] == mode and r["method"] == method and r["i"] in idx]
-            by_pos = {p: [r["em"] for r in rows if r["position"] == p] for p in positions}
             warm = [r for r in rows if not r.get("kv_misses")]  # latency: no passage block encoded anew
-            acc = {p: (sum(v) / len(v) if v else None) for p, v in by_pos.items()}
+
+            def mean_by_position(score):  # {position: mean of score(row) over its rows, None without rows}
+                vs = {p: [score(r) for r in rows if r["position"] == p] for p in positions}
+                return {p: (sum(v) / len(v) if v else None) for p, v in vs.items()}
+
+            acc = mean_by_position(lambda r: r["em"])
             vals = [a for a in acc.values() if a is not None]
-            table[f"{mode}/{method}"] = {
-                "n_per_position": {p: len(v) for p, v in by_pos.items()}, "em_by_position": acc,
+            t = table[f"{mode}/{method}"] = {
+                "n_per_position": {p: sum(r["position"] == p for r in rows) for p in positions},
+                "em_by_position": acc,
                 "spread_points": 100 * (max(vals) - min(vals)) if vals else None,
                 "median_ttft_ms": statistics.median(_alone(r, "ttft_ms") for r in warm) if warm else None,
-                "median_total_ms": statistics.median(_alone(r, "total_ms") for r in warm) if warm else None}
-            short = {p: [best_subspan_em(first_words(r["prediction"]), records[r["i"]]["answers"])
-                         for r in rows if r["position"] == p] for p in positions}
-            table[f"{mode}/{method}"] |= {
-                "em_first_words_by_position": {p: (sum(v) / len(v) if v else None) for p, v in short.items()},
+                "median_total_ms": statistics.median(_alone(r, "total_ms") for r in warm) if warm else None,
+                "em_first_words_by_position": mean_by_position(
+                    lambda r: best_subspan_em(first_words(r["prediction"]), records[r["i"]]["answers"])),
                 "median_answer_words": statistics.median(len(r["prediction"].split()) for r in rows) if rows else None}
             null = spread_null(rows, positions, seed=args.seed)
             if null:
-                table[f"{mode}/{method}"]["spread_null"] = null
+                t["spread_null"] = null
             ranked = gold_ranked_first(rows, positions)
             if ranked:
-                table[f"{mode}/{method}"]["gold_ranked_first"] = ranked
+                t["gold_ranked_first"] = ranked
     for mode in modes:
         base = table.get(f"{mode}/none")
         for method in filter(lambda m: _applies(m, mode), methods):
