@@ -356,16 +356,17 @@ class LongDocQA:
     def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
             max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
             block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
-            debias_orders: int | None = None, **retrieval) -> Answer:
+            debias_orders: int | None = None, debias_calibration: str | None = None, **retrieval) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
         return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio, debias,
                            block_headers, instruction, answer_prefix, debias_orders=debias_orders,
-                           **retrieval).result()
+                           debias_calibration=debias_calibration, **retrieval).result()
 
     def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
                max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
                block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
-               debias_orders: int | None = None, **retrieval) -> AnswerStream:
+               debias_orders: int | None = None, debias_calibration: str | None = None,
+               **retrieval) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
@@ -385,6 +386,9 @@ class LongDocQA:
         order) or 2 (also reversed; each passage's calibrated relevance averaged over its two slots);
         default `ldqa.attention.debias.MEASURE_ORDERS` (2 in block modes: one more re-assembly from
         stored blocks; 1 with full attention, where it would cost another prefill).
+        debias_calibration: how the two calibrate methods calibrate the measured attention a against the
+        bias curve b: "difference" (a - b, found-in-the-middle) or "ratio" (a / b); default
+        `ldqa.attention.debias.CALIBRATION` for the attention mode.
         block_headers: "cached" (default; each "Passage [n]" header is a reused block, only the question
         is computed fresh) or "fresh" (headers computed with the question, attending to all before them).
         instruction: the prompt's instruction (default `ldqa.app.prompt.INSTRUCTION`); answer_prefix: the
@@ -397,13 +401,13 @@ class LongDocQA:
         check_prompt_options(instruction, answer_prefix)
         _check_attention(attention, recompute_ratio, block_headers)
         rcfg = _retrieval_config(attention, retrieval)
-        _check_debias(debias, attention, debias_orders)
+        _check_debias(debias, attention, debias_orders, debias_calibration)
         self.warm_up()  # model loading is not part of a question's timings
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
         settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "debias_orders": debias_orders,
-                    "retrieval_config": rcfg, "block_headers": block_headers,
+                    "debias_calibration": debias_calibration, "retrieval_config": rcfg, "block_headers": block_headers,
                     **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
                                    retrieval_ms, settings, t0)
@@ -411,13 +415,14 @@ class LongDocQA:
     def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
                recompute_ratio: float | None = None, debias: str = "none", block_headers: str | None = None,
                instruction: str | None = None, answer_prefix: str = "", debias_orders: int | None = None,
-               **retrieval) -> Answer:
+               debias_calibration: str | None = None, **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
 
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
         `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
         passages without a chunk_id are stored but not tied to a document. `attention` and the retrieval
-        settings, `instruction`, `answer_prefix` and `debias_orders` as in `stream`.
+        settings, `instruction`, `answer_prefix`, `debias_orders` and `debias_calibration` as in
+        `stream`.
         """
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question is empty: ask something")
@@ -426,11 +431,12 @@ class LongDocQA:
         _check_attention(attention, recompute_ratio, block_headers)
         check_prompt_options(instruction, answer_prefix)
         rcfg = _retrieval_config(attention, retrieval)
-        _check_debias(debias, attention, debias_orders)
+        _check_debias(debias, attention, debias_orders, debias_calibration)
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
         settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg, "debias": debias,
-                    "debias_orders": debias_orders, "block_headers": block_headers,
+                    "debias_orders": debias_orders, "debias_calibration": debias_calibration,
+                    "block_headers": block_headers,
                     **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
                                    settings, time.perf_counter()).result()
@@ -468,11 +474,13 @@ class LongDocQA:
         else:
             settings.pop("block_headers", None)
         if settings.get("debias") in ("calibrate", "calibrate+reorder"):
-            from ldqa.attention.debias import MEASURE_ORDERS
+            from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS
 
             settings["debias_orders"] = settings.get("debias_orders") or MEASURE_ORDERS[attention]
+            settings["debias_calibration"] = settings.get("debias_calibration") or CALIBRATION[attention]
         else:
             settings.pop("debias_orders", None)
+            settings.pop("debias_calibration", None)
         stream = AnswerStream(iter(()))
         stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings,
                                         max_new or self.max_new_tokens, t0, rcfg)
@@ -679,14 +687,15 @@ class LongDocQA:
             bias = self.bias_curve(len(passages), mode if mode != "retrieval" else "full",
                                    block_headers=settings.get("block_headers"))
             k, rctx, rev = len(passages), None, None
+            form = settings["debias_calibration"]
             if settings.get("debias_orders", 1) == 2 and k > 1:  # also measure in the reversed order
                 rctx, mass_rev = self._measure(passages[::-1], question, mode, settings, max_new)
                 reused += rctx.reused_prefill_ms
                 passes += 1
-                rel = D.two_order_relevance(mass, mass_rev, bias)
+                rel = D.two_order_relevance(mass, mass_rev, bias, form)
                 rev = mass_rev.flip(0)  # per passage, in the given order
             else:
-                rel = D.calibrated_relevance(mass, bias)
+                rel = D.calibrated_relevance(mass, bias, form)
             if method == "calibrate+reorder":
                 order = D.reorder_for_bias(rel, bias)
                 passages, rel, mass = [passages[i] for i in order], rel[order], mass[order]
@@ -697,7 +706,7 @@ class LongDocQA:
                     ctx = self._build_context(passages, question, mode, settings, max_new)
                     reused += ctx.reused_prefill_ms
                     passes += 1
-            log_w = D.log_weights(rel, mass, settings.get("debias_strength", 1.0))  # mean(mass): order-free
+            log_w = D.log_weights(rel, mass, settings.get("debias_strength"), form)  # mean(mass): order-free
             L = ctx.cache.length
             n_q = len(ctx.prompt.question)
             hook = D.DebiasKV(log_w=D.slot_bias(D.passage_spans(ctx.prompt), log_w, L + max_new + 8),
@@ -766,13 +775,16 @@ def _check_attention(attention, ratio, block_headers=None) -> None:
         raise ValueError(f"block_headers={block_headers!r}: choose one of {', '.join(HEADER_MODES)}")
 
 
-def _check_debias(debias: str, attention: str, orders: int | None = None) -> None:
-    from ldqa.attention.debias import METHODS
+def _check_debias(debias: str, attention: str, orders: int | None = None, calibration: str | None = None) -> None:
+    from ldqa.attention.debias import CALIBRATION_FORMS, METHODS
 
     if debias not in METHODS:
         raise ValueError(f"debias={debias!r}: choose one of {', '.join(METHODS)}")
     if orders is not None and (isinstance(orders, bool) or orders not in (1, 2)):
         raise ValueError(f"debias_orders={orders!r}: choose 1 (the given order) or 2 (also reversed), or None "
+                         "for the default")
+    if calibration is not None and calibration not in CALIBRATION_FORMS:
+        raise ValueError(f"debias_calibration={calibration!r}: choose one of {', '.join(CALIBRATION_FORMS)}, or None "
                          "for the default")
     if debias != "none" and attention == "retrieval":
         raise ValueError("debias methods work with attention='full', 'block' or 'block+recompute', not 'retrieval'")

@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--debias-orders", type=int, choices=[1, 2], default=None,
                        help="calibrate methods: measure passage attention in the given order (1) or also reversed "
                             "(2; default 2 in block modes, 1 with full attention)")
+        p.add_argument("--debias-calibration", choices=["difference", "ratio"], default=None,
+                       help="calibrate methods: relevance as measured attention minus (difference) or over (ratio) "
+                            "the position-only bias curve (default per attention mode: "
+                            "ldqa.attention.debias.CALIBRATION)")
         p.add_argument("--block-headers", choices=["cached", "fresh"], default=None,
                        help="block modes: cached (default; each 'Passage [n]' header is a reused block, only the "
                             "question is computed fresh) or fresh (headers computed with the question)")
@@ -144,7 +148,7 @@ def cmd_ask(args) -> int:
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
               max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
               block_headers=args.block_headers, instruction=args.instruction, answer_prefix=args.answer_prefix,
-              debias_orders=args.debias_orders, **_retrieval_kw(args))
+              debias_orders=args.debias_orders, debias_calibration=args.debias_calibration, **_retrieval_kw(args))
     if args.json:
         print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
         return 0
@@ -198,7 +202,7 @@ def cmd_demo(args) -> int:
         ans = qa.ask(q["question"], top_k=args.top_k, retriever=args.retriever, attention=args.attention,
                      max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
                      debias=args.debias, block_headers=args.block_headers, debias_orders=args.debias_orders,
-                     **_retrieval_kw(args))
+                     debias_calibration=args.debias_calibration, **_retrieval_kw(args))
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")

@@ -69,6 +69,12 @@ BUCKET_SCALES = (1.0, 0.5, 2.0)
 # full attention would pay a second prefill (~6 s at 10 passages on a CPU core) and meets the spread target
 # with one order (docs/results.md, issue 6).
 MEASURE_ORDERS = {"full": 1, "block": 2, "block+recompute": 2}
+# How the calibrate methods turn measured mass a and bias b into relevance (`calibrated_relevance`), per
+# attention mode: "difference" (a - b, found-in-the-middle) or "ratio" (a / b).
+CALIBRATION_FORMS = ("difference", "ratio")
+CALIBRATION = {"full": "difference", "block": "difference", "block+recompute": "difference"}
+# The intervention's strength per calibration form (`log_weights`).
+STRENGTH = {"difference": 1.0, "ratio": 1.2}
 
 
 def passage_spans(segments) -> list[tuple[int, int]]:
@@ -139,28 +145,47 @@ def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor) -> t
     return torch.stack(masses).mean(0)
 
 
-def calibrated_relevance(mass: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """r = observed - bias, per slot (found-in-the-middle's calibration). Both (k,)."""
+def calibrated_relevance(mass: torch.Tensor, bias: torch.Tensor, form: str = "difference") -> torch.Tensor:
+    """Calibrated relevance per slot, both (k,): `form` "difference": r = a - b (found-in-the-middle's
+    calibration, Hsieh et al. 2024, sec. 3); "ratio": r = a / b (a multiplicative position bias: the
+    attention a passage gets is its relevance scaled by its slot's bias, so r is in units of "times what an
+    irrelevant passage gets there"). Raises ValueError on other shapes or forms."""
     if mass.shape != bias.shape:
         raise ValueError(f"mass {tuple(mass.shape)} and bias {tuple(bias.shape)} must both be (k,)")
-    return mass - bias
+    if form == "difference":
+        return mass - bias
+    if form == "ratio":
+        return mass / bias.clamp_min(1e-9)
+    raise ValueError(f"calibration form {form!r}: choose one of {', '.join(CALIBRATION_FORMS)}")
 
 
-def two_order_relevance(mass: torch.Tensor, mass_rev: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def two_order_relevance(mass: torch.Tensor, mass_rev: torch.Tensor, bias: torch.Tensor,
+                        form: str = "difference") -> torch.Tensor:
     """Calibrated relevance from two measurements: (k,) per passage in the given order,
-    r_p = ((a_p - b_p) + (a'_{k-1-p} - b_{k-1-p})) / 2, where a (k,) was measured with passage p at slot p
-    and a' (k,) with the order reversed (indexed by slot: passage k-1-s at slot s); bias b (k,) by slot.
-    Each passage is thus scored at two mirrored slots (Tang et al. 2023, permutation self-consistency).
-    Raises ValueError unless all three are (k,)."""
+    r_p = (c(a_p, b_p) + c(a'_{k-1-p}, b_{k-1-p})) / 2 with c the `form`'s calibration (a - b or a / b,
+    `calibrated_relevance`), where a (k,) was measured with passage p at slot p and a' (k,) with the order
+    reversed (indexed by slot: passage k-1-s at slot s); bias b (k,) by slot. Each passage is thus scored
+    at two mirrored slots (Tang et al. 2023, permutation self-consistency).
+    Raises ValueError unless all three are (k,), or on an unknown form."""
     if not mass.shape == mass_rev.shape == bias.shape or mass.dim() != 1:
         raise ValueError(f"mass {tuple(mass.shape)}, mass_rev {tuple(mass_rev.shape)} and bias "
                          f"{tuple(bias.shape)} must all be (k,)")
-    return (calibrated_relevance(mass, bias) + calibrated_relevance(mass_rev, bias).flip(0)) / 2
+    return (calibrated_relevance(mass, bias, form) + calibrated_relevance(mass_rev, bias, form).flip(0)) / 2
 
 
-def log_weights(rel: torch.Tensor, mass: torch.Tensor, strength: float) -> torch.Tensor:
-    """log w_p = strength * (r_p - mean r) / mean(mass): 0 for all passages when relevance is equal."""
-    return strength * (rel - rel.mean()) / mass.mean().clamp_min(1e-9)
+def log_weights(rel: torch.Tensor, mass: torch.Tensor, strength: float | None = None,
+                form: str = "difference") -> torch.Tensor:
+    """The intervention's log-scale per passage, (k,) from relevance `rel` (k,) of the given `form`:
+    "difference": log w_p = strength * (r_p - mean r) / mean(mass) (r in attention-mass units);
+    "ratio": log w_p = strength * (r_p - mean r) (r already relative). 0 for all passages when the
+    relevance is equal. strength: default STRENGTH[form]."""
+    strength = STRENGTH[form] if strength is None else strength
+    centred = rel - rel.mean()
+    if form == "ratio":
+        return strength * centred
+    if form == "difference":
+        return strength * centred / mass.mean().clamp_min(1e-9)
+    raise ValueError(f"calibration form {form!r}: choose one of {', '.join(CALIBRATION_FORMS)}")
 
 
 def slot_bias(spans, log_w_passages: torch.Tensor, length: int) -> torch.Tensor:
@@ -263,5 +288,5 @@ def uses(method: str) -> None:
         raise ValueError(f"debias={method!r}: choose one of {', '.join(METHODS)}")
 
 
-__all__ = ["METHODS", "MEASURE_ORDERS", "DebiasKV", "passage_spans", "passage_mass", "calibrated_relevance",
-           "two_order_relevance", "log_weights", "slot_bias", "reorder_for_bias", "sort_order", "estimate_bias"]
+__all__ = ["METHODS", "MEASURE_ORDERS", "CALIBRATION_FORMS", "CALIBRATION", "STRENGTH", "DebiasKV", "passage_spans",
+           "passage_mass", "calibrated_relevance", "two_order_relevance", "log_weights", "slot_bias", "reorder_for_bias", "sort_order", "estimate_bias"]

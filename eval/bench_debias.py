@@ -48,7 +48,8 @@ def run(qa, records, args) -> dict:
 
     refresh()
     if qa is not None:
-        check_orders(done.values(), args.debias_orders, args.methods.split(","), args.attention.split(","))
+        check_orders(done.values(), args.debias_orders, args.methods.split(","), args.attention.split(","),
+                     args.debias_calibration)
     if rows_path.exists() and rows_path.stat().st_size and not rows_path.read_bytes().endswith(b"\n"):
         with open(rows_path, "a") as f:  # start new rows on a line of their own after a cut-off one
             f.write("\n")
@@ -67,7 +68,8 @@ def run(qa, records, args) -> dict:
                         if key in done or not _applies(method, mode):
                             continue
                         ans = qa.answer(ex["question"], ex["passages"], attention=mode, debias=method,
-                                        max_new_tokens=32, debias_orders=args.debias_orders)
+                                        max_new_tokens=32, debias_orders=args.debias_orders,
+                                        debias_calibration=args.debias_calibration)
                         row = {"i": i, "position": pos, "attention": mode, "method": method,
                                "prediction": ans.text, "em": best_subspan_em(ans.text, ex["answers"]),
                                "ttft_ms": ans.timings["ttft_ms"], "total_ms": ans.timings["total_ms"],
@@ -77,6 +79,8 @@ def run(qa, records, args) -> dict:
                                "kv_misses": ans.timings.get("kv_misses", 0)}
                         if "debias_orders" in ans.settings:
                             row["debias_orders"] = ans.settings["debias_orders"]
+                        if ans.settings.get("debias_calibration", "difference") != "difference":
+                            row["debias_calibration"] = ans.settings["debias_calibration"]
                         for k in ("passage_attention", "calibrated_relevance"):  # in the final passage order
                             if k in ans.timings:
                                 row[k] = [round(x, 6) for x in ans.timings[k]]
@@ -129,12 +133,13 @@ def run(qa, records, args) -> dict:
     return table
 
 
-def check_orders(rows, orders: int | None, methods: list[str], modes: list[str]) -> None:
+def check_orders(rows, orders: int | None, methods: list[str], modes: list[str],
+                 calibration: str | None = None) -> None:
     """Raise SystemExit if a calibrate row in `rows` of one of the `methods` x `modes` this run answers
-    was measured with other debias_orders than the run would use (`orders`; None: the default per
-    attention mode, MEASURE_ORDERS): resuming would mix two settings under one method name. Rows
-    without the field predate it (1 order)."""
-    from ldqa.attention.debias import MEASURE_ORDERS
+    was measured with other debias_orders or debias_calibration than the run would use (`orders`,
+    `calibration`; None: the default per attention mode, MEASURE_ORDERS and CALIBRATION): resuming would
+    mix two settings under one method name. Rows without the fields predate them (1 order, "difference")."""
+    from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS
 
     for r in rows:
         if r["method"] in ("calibrate", "calibrate+reorder") and r["method"] in methods and r["attention"] in modes:
@@ -143,6 +148,11 @@ def check_orders(rows, orders: int | None, methods: list[str], modes: list[str])
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_orders="
                                  f"{r.get('debias_orders', 1)}, this run would use {want}: give another --out "
                                  f"(or --debias-orders {r.get('debias_orders', 1)})")
+            want = calibration or CALIBRATION[r["attention"]]
+            had = r.get("debias_calibration", "difference")
+            if had != want:
+                raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_calibration="
+                                 f"{had}, this run would use {want}: give another --out (or --debias-calibration {had})")
 
 
 def _pair(done: dict, i: int, pos: int, mode: str, method: str) -> tuple[dict | None, dict | None]:
@@ -278,6 +288,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("out/bench-debias"))
     ap.add_argument("--debias-orders", type=int, choices=[1, 2], default=None,
                     help="passage orders the calibrate methods measure (default: ldqa's, 2 in block modes, 1 full)")
+    ap.add_argument("--debias-calibration", choices=["difference", "ratio"], default=None,
+                    help="how the calibrate methods calibrate attention against the bias curve: a - b or a / b "
+                         "(default: ldqa's per attention mode, ldqa.attention.debias.CALIBRATION)")
     ap.add_argument("--summary-only", action="store_true",
                     help="load no model: summarize the rows in --out (JSON, markdown table, PNG) as they are")
     ap.add_argument("--reverse", action="store_true",

@@ -20,7 +20,8 @@ class FakeQA:
     def __init__(self):
         self.calls = []
 
-    def answer(self, question, passages, attention, debias, max_new_tokens, debias_orders=None):
+    def answer(self, question, passages, attention, debias, max_new_tokens, debias_orders=None,
+               debias_calibration=None):
         self.calls.append((question, debias, attention))
         i = question[1:-1]
         right = debias == "calibrate" or f"ans{i}" in passages[0]["text"]
@@ -31,13 +32,15 @@ class FakeQA:
             final = final[::-1]
             timings["passage_attention"] = [0.1 * (s + 1) for s in range(len(final))]
             timings["calibrated_relevance"] = [0.0, 0.0, 0.1]  # the last slot ranked first
-        settings = {"debias_orders": debias_orders or 1} if debias.startswith("calibrate") else {}
+        settings = {"debias_orders": debias_orders or 1,
+                    "debias_calibration": debias_calibration or "difference"} if debias.startswith("calibrate") else {}
         return SimpleNamespace(text=f"ans{i}" if right else "no", timings=timings, passages=final, settings=settings)
 
 
 def _args(tmp_path, reverse=False, n=6):
     return argparse.Namespace(passages=3, positions="1,2,3", n=n, methods="none,calibrate", attention="full",
-                              seed=0, out=tmp_path, reverse=reverse, debias_orders=None)
+                              seed=0, out=tmp_path, reverse=reverse, debias_orders=None,
+                              debias_calibration=None)
 
 
 def test_summary_pairs_methods_with_none_and_checks_targets(tmp_path):
@@ -76,8 +79,10 @@ def test_extra_latency_pairs_warm_answers_only(tmp_path):
     seen = set()
 
     class ColdFirst(FakeQA):
-        def answer(self, question, passages, attention, debias, max_new_tokens, debias_orders=None):
-            ans = super().answer(question, passages, attention, debias, max_new_tokens, debias_orders)
+        def answer(self, question, passages, attention, debias, max_new_tokens, debias_orders=None,
+                   debias_calibration=None):
+            ans = super().answer(question, passages, attention, debias, max_new_tokens, debias_orders,
+                                 debias_calibration)
             cold = question not in seen
             seen.add(question)
             ans.timings |= {"kv_misses": 3 if cold else 0, "total_ms": 1000.0 if cold else ans.timings["total_ms"]}
@@ -177,3 +182,15 @@ def test_spread_null_tells_a_position_effect_from_noise(tmp_path):
     assert B.spread_null(effect, [1]) is None
     table = B.run(FakeQA(), RECORDS, _args(tmp_path))
     assert table["full/none"]["spread_null"]["p_value"] < 0.05 and "Spread vs a method" in B.markdown(table, positions)
+
+
+def test_rows_record_a_ratio_calibration_and_a_run_with_another_does_not_resume_them(tmp_path):
+    args = _args(tmp_path, n=2)
+    args.debias_calibration = "ratio"
+    B.run(FakeQA(), RECORDS, args)
+    rows = [json.loads(line) for line in (tmp_path / "debias-3.jsonl").read_text().splitlines()]
+    assert {r.get("debias_calibration") for r in rows if r["method"] == "calibrate"} == {"ratio"}
+    assert all("debias_calibration" not in r for r in rows if r["method"] == "none")
+    with pytest.raises(SystemExit, match="debias_calibration=ratio"):
+        B.run(FakeQA(), RECORDS, _args(tmp_path, n=2))  # the default for full attention is "difference"
+    B.run(FakeQA(), RECORDS, args)  # resuming with the same setting is fine

@@ -86,6 +86,32 @@ def test_two_order_relevance_cancels_a_bias_error_linear_in_the_slot():
         D.two_order_relevance(mass, mass_rev[:4], est)
 
 
+def test_ratio_calibration_gives_the_relevant_passage_the_same_weight_at_every_slot():
+    # multiplicative bias: a passage at slot s gets b_s * (1 + rho_p); U-shaped once two orders average
+    bias = torch.tensor([0.04, 0.05, 0.03, 0.04, 0.05, 0.12])
+    k, rho = 6, 2.0
+    weights = {"difference": [], "ratio": []}
+    for gold in range(k):
+        boost = torch.zeros(k)
+        boost[gold] = rho
+        mass = bias * (1 + boost)
+        mass_rev = bias * (1 + boost.flip(0))  # slot s holds passage k-1-s
+        for form in weights:
+            rel = D.two_order_relevance(mass, mass_rev, bias, form)
+            assert int(rel.argmax()) == gold
+            weights[form].append(float(D.log_weights(rel, mass, form=form)[gold]))
+    diff, ratio = torch.tensor(weights["difference"]), torch.tensor(weights["ratio"])
+    assert diff.max() - diff.min() > 0.5  # a - b: the gold's weight follows the bias of its two slots
+    torch.testing.assert_close(ratio, torch.full((k,), ratio[0].item()))  # a / b: the same at every slot
+    assert ratio[0] > 0
+    flat = torch.full((4,), 0.07)
+    mass = torch.tensor([0.10, 0.30, 0.05, 0.20])
+    torch.testing.assert_close(D.calibrated_relevance(mass, flat, "ratio"), mass / 0.07)  # flat: a rescaling
+    assert torch.all(D.log_weights(torch.ones(4), mass, form="ratio") == 0)  # equal relevance: no change
+    with pytest.raises(ValueError, match="calibration form"):
+        D.calibrated_relevance(mass, flat, "quotient")
+
+
 def test_bias_curve_is_deterministic_for_a_seed_and_cached(tiny_qa):
     a = tiny_qa.bias_curve(3, "full", n_examples=2, seed=1)
     cached = list(Path(tiny_qa_cache(tiny_qa)).glob("debias/*.json"))
@@ -147,6 +173,24 @@ def test_two_order_measurement_default_in_block_mode(tiny_qa):
     assert "debias_orders" not in tiny_qa.answer(q, PASSAGES, attention="block", debias="sort").settings
     with pytest.raises(ValueError, match="debias_orders"):
         tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_orders=3)
+
+
+def test_debias_calibration_setting(tiny_qa):
+    q = "What torque for the fan hub bolts?"
+    diff = tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_calibration="difference")
+    ratio = tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_calibration="ratio")
+    assert (diff.settings["debias_calibration"], ratio.settings["debias_calibration"]) == ("difference", "ratio")
+    assert tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate").settings["debias_calibration"] == \
+        D.CALIBRATION["full"]
+    bias = tiny_qa.bias_curve(len(PASSAGES), "block")
+    mass, rev = (torch.tensor(ratio.timings[k]) for k in ("passage_attention", "passage_attention_reversed"))
+    rel = D.two_order_relevance(mass, rev.flip(0), bias, "ratio")  # rev is per passage; the formula wants slots
+    torch.testing.assert_close(torch.tensor(ratio.timings["calibrated_relevance"]), rel, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(ratio.timings["passage_weights"]),
+                               D.log_weights(rel, mass, form="ratio").exp(), rtol=1e-4, atol=1e-6)
+    assert "debias_calibration" not in tiny_qa.answer(q, PASSAGES, attention="block", debias="sort").settings
+    with pytest.raises(ValueError, match="debias_calibration"):
+        tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_calibration="quotient")
 
 
 def test_calibrate_reorder_with_two_orders_reuses_the_reversed_context(tiny_qa, monkeypatch):
