@@ -30,6 +30,12 @@ Methods (`METHODS`):
   gold ranked first at slot 1 0.88 -> 0.95; docs/results.md, issue 6, session 9). Averaging over
   orders is the idea of permutation self-consistency (Tang et al. 2023, "Found in the Middle:
   Permutation Self-Consistency Improves Listwise Ranking in Large Language Models", sec. 2).
+- Both calibrate methods can calibrate in two forms (`CALIBRATION_FORMS`, default per attention mode
+  `CALIBRATION`): "difference", r = a - b (found-in-the-middle), or "ratio", r = a / b. If the position
+  bias is multiplicative (a passage at slot s gets b_s times what its relevance earns), a - b scales
+  with b_s: the relevant passage's calibrated relevance, and so its intervention weight, is larger
+  where the bias is large (with two orders: at both ends) and the answers follow that U; a / b gives it
+  the same weight at every slot (`STRENGTH` per form; docs/results.md, issue 6, session 11).
 - "sort": attention sorting, `sort_rounds` rounds: order passages by observed mass, ascending (most
   attended last), rebuild the context, measure again.
 - "buckets": Attention Buckets (Chen et al. 2023, "Fortify the Shortest Stave in Attention", sec. 3):
@@ -70,10 +76,16 @@ BUCKET_SCALES = (1.0, 0.5, 2.0)
 # with one order (docs/results.md, issue 6).
 MEASURE_ORDERS = {"full": 1, "block": 2, "block+recompute": 2}
 # How the calibrate methods turn measured mass a and bias b into relevance (`calibrated_relevance`), per
-# attention mode: "difference" (a - b, found-in-the-middle) or "ratio" (a / b).
+# attention mode: "difference" (a - b, found-in-the-middle) or "ratio" (a / b). Block: "ratio" (block
+# calibrate+reorder, 200 NQ questions, spread 8.0 -> 3.5 points at 20 passages, 4.0 -> 3.0 at 10;
+# block+recompute follows block, unmeasured). Full: "difference" until the ratio form is measured there
+# (docs/results.md, issue 6, session 11).
 CALIBRATION_FORMS = ("difference", "ratio")
-CALIBRATION = {"full": "difference", "block": "difference", "block+recompute": "difference"}
-# The intervention's strength per calibration form (`log_weights`).
+CALIBRATION = {"full": "difference", "block": "ratio", "block+recompute": "ratio"}
+# The intervention's strength per calibration form (`log_weights`). "ratio": 1.2 gives the gold passage
+# of 60 held-out NQ questions (block, 20 passages, two orders) a median log-weight of 1.6-1.8 at every
+# slot, what "difference" at 1.0 gives it at the ends (1.7) and more than in the middle (1.2-1.3); set
+# from those questions' recorded attention (docs/data/ranking-block-20-orders2.jsonl.gz), no answers.
 STRENGTH = {"difference": 1.0, "ratio": 1.2}
 
 

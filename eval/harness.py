@@ -569,7 +569,15 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int) -> str:
 def mode_cache_key(m: Mode, retrieval_config=None) -> str:
     """The cache key of mode `m`: `Mode.key`, and for attention "retrieval" a hash of the retrieval
     settings it runs with (`RetrievalConfig()` defaults unless given), so a changed default (e.g.
-    `top_k_keys`) recomputes those answers instead of reading stale ones."""
+    `top_k_keys`) recomputes those answers instead of reading stale ones; likewise the calibrate
+    methods' defaults for the mode (measurement orders, calibration form and its strength,
+    `ldqa.attention.debias`)."""
+    if m.debias in ("calibrate", "calibrate+reorder") and m.attention in ("full", "block", "block+recompute"):
+        from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS, STRENGTH
+
+        form = CALIBRATION[m.attention]
+        d = {"orders": MEASURE_ORDERS[m.attention], "calibration": form, "strength": STRENGTH[form]}
+        return m.key + "#" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
     if m.attention != "retrieval":
         return m.key
     from ldqa.attention.retrieval_attention import RetrievalConfig

@@ -166,7 +166,7 @@ def test_two_order_measurement_default_in_block_mode(tiny_qa):
                                torch.tensor(rev.timings["passage_attention"][::-1]), rtol=1e-4, atol=1e-6)
     bias = tiny_qa.bias_curve(len(PASSAGES), "block")
     expect = D.two_order_relevance(torch.tensor(two.timings["passage_attention"]),
-                                   torch.tensor(rev.timings["passage_attention"]), bias)
+                                   torch.tensor(rev.timings["passage_attention"]), bias, D.CALIBRATION["block"])
     torch.testing.assert_close(torch.tensor(two.timings["calibrated_relevance"]), expect, rtol=1e-4, atol=1e-6)
     full = tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate")
     assert full.settings["debias_orders"] == 1 and full.timings["debias_passes"] == 1
@@ -180,6 +180,7 @@ def test_debias_calibration_setting(tiny_qa):
     diff = tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_calibration="difference")
     ratio = tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_calibration="ratio")
     assert (diff.settings["debias_calibration"], ratio.settings["debias_calibration"]) == ("difference", "ratio")
+    assert tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate").settings["debias_calibration"] == "ratio"
     assert tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate").settings["debias_calibration"] == \
         D.CALIBRATION["full"]
     bias = tiny_qa.bias_curve(len(PASSAGES), "block")

@@ -61,7 +61,7 @@ def test_rank_metrics_by_hand():
 
 # ------------------------------------------------------------------------------------------ mode specs
 
-def test_mode_specs_cross_product():
+def test_mode_specs_cross_product(monkeypatch):
     ms = parse_modes("full,block", "none,calibrate")
     assert [m.label for m in ms] == ["full", "full/calibrate", "block", "block/calibrate"]
     # debiasing does not apply to retrieval attention or the hf reference: that axis collapses
@@ -80,6 +80,14 @@ def test_mode_specs_cross_product():
     assert harness.mode_cache_key(r) == harness.mode_cache_key(r, RetrievalConfig())
     other = RetrievalConfig(top_k_keys=RetrievalConfig().top_k_keys + 1)
     assert harness.mode_cache_key(r, other) != harness.mode_cache_key(r)
+    # so does a calibrate method's: its defaults (orders, calibration form) change its answers
+    from ldqa.attention import debias
+
+    cal = Mode("block", "calibrate")
+    key = harness.mode_cache_key(cal)
+    assert key.startswith("block/calibrate@-#") and harness.mode_cache_key(Mode("block", "sort")) == "block/sort@-"
+    monkeypatch.setitem(debias.CALIBRATION, "block", "difference" if debias.CALIBRATION["block"] == "ratio" else "ratio")
+    assert harness.mode_cache_key(cal) != key
     assert gold_positions("default", 20) == [1, 5, 10, 15, 20] and gold_positions("default", 10) == [1, 5, 10]
     assert gold_positions("all", 3) == [1, 2, 3] and gold_positions("2", 3) == [2]
 
