@@ -300,5 +300,6 @@ def uses(method: str) -> None:
         raise ValueError(f"debias={method!r}: choose one of {', '.join(METHODS)}")
 
 
-__all__ = ["METHODS", "MEASURE_ORDERS", "CALIBRATION_FORMS", "CALIBRATION", "STRENGTH", "DebiasKV", "passage_spans",
-           "passage_mass", "calibrated_relevance", "two_order_relevance", "log_weights", "slot_bias", "reorder_for_bias", "sort_order", "estimate_bias"]
+__all__ = ["METHODS", "MEASURE_ORDERS", "CALIBRATION_FORMS", "CALIBRATION", "STRENGTH", "DebiasKV",
+           "passage_spans", "passage_mass", "calibrated_relevance", "two_order_relevance", "log_weights",
+           "slot_bias", "reorder_for_bias", "sort_order", "estimate_bias"]

@@ -152,7 +152,8 @@ def check_orders(rows, orders: int | None, methods: list[str], modes: list[str],
             had = r.get("debias_calibration", "difference")
             if had != want:
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_calibration="
-                                 f"{had}, this run would use {want}: give another --out (or --debias-calibration {had})")
+                                 f"{had}, this run would use {want}: give another --out "
+                                 f"(or --debias-calibration {had})")
 
 
 def _pair(done: dict, i: int, pos: int, mode: str, method: str) -> tuple[dict | None, dict | None]:

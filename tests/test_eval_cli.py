@@ -86,7 +86,8 @@ def test_mode_specs_cross_product(monkeypatch):
     cal = Mode("block", "calibrate")
     key = harness.mode_cache_key(cal)
     assert key.startswith("block/calibrate@-#") and harness.mode_cache_key(Mode("block", "sort")) == "block/sort@-"
-    monkeypatch.setitem(debias.CALIBRATION, "block", "difference" if debias.CALIBRATION["block"] == "ratio" else "ratio")
+    other_form = "difference" if debias.CALIBRATION["block"] == "ratio" else "ratio"
+    monkeypatch.setitem(debias.CALIBRATION, "block", other_form)
     assert harness.mode_cache_key(cal) != key
     assert gold_positions("default", 20) == [1, 5, 10, 15, 20] and gold_positions("default", 10) == [1, 5, 10]
     assert gold_positions("all", 3) == [1, 2, 3] and gold_positions("2", 3) == [2]
