@@ -189,12 +189,13 @@ def spread_null(rows: list[dict], positions: list[int], n_perm: int = 1000, seed
     question's EM values are shuffled among the gold positions (a permutation test within question),
     n_perm times, seeded. Returns the observed spread, the null's median and 95th percentile and the
     p-value of the observed spread (the fraction of permutations at least as wide), all over the
-    questions answered at every position (n); None when fewer than two positions or no such question. Says whether a spread above 5
-    points is a position effect or what n questions leave as noise."""
+    questions answered at every position (n); None when fewer than two positions or no such question.
+    Says whether a spread above 5 points is a position effect or what n questions leave as noise. The
+    questions are taken in id order, so the result depends on the rows, not on their order in the file."""
     by_q: dict[int, dict[int, float]] = {}
     for r in rows:
         by_q.setdefault(r["i"], {})[r["position"]] = r["em"]
-    ems = [[q[p] for p in positions] for q in by_q.values() if all(p in q for p in positions)]
+    ems = [[q[p] for p in positions] for _, q in sorted(by_q.items()) if all(p in q for p in positions)]
     if len(positions) < 2 or not ems:
         return None
 

@@ -180,6 +180,9 @@ def test_spread_null_tells_a_position_effect_from_noise(tmp_path):
     assert B.spread_null(effect + [{"i": 99, "position": 1, "em": 1.0}], positions, n_perm=50, seed=3) == \
         B.spread_null(effect, positions, n_perm=50, seed=3)
     assert B.spread_null(effect, [1]) is None
+    # the rows' order in the file does not matter (two processes interleave them)
+    mixed = [{"i": i, "position": p, "em": float((i * p) % 3 == 0)} for i in range(12) for p in positions]
+    assert B.spread_null(mixed[::-1], positions, n_perm=50) == B.spread_null(mixed, positions, n_perm=50)
     table = B.run(FakeQA(), RECORDS, _args(tmp_path))
     assert table["full/none"]["spread_null"]["p_value"] < 0.05 and "Spread vs a method" in B.markdown(table, positions)
 
