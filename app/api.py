@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -81,7 +81,8 @@ class Answer:
     settings: what was asked for (top_k, retriever, attention, model, recompute_ratio); when block reuse
     is off (its RoPE self-check failed) `attention_used` says "full" and `fallback_reason` why.
     timings also has tokens_reused / tokens_computed and, in block modes, kv_hits, kv_misses,
-    kv_hit_rate, assemble_ms. With `debias` other than "none": debias_ms and debias_passes; "calibrate",
+    kv_hit_rate, assemble_ms, encode_ms (with debiasing the lookups and encode_ms are the first context
+    build's, which met the store as the question found it). With `debias` other than "none": debias_ms and debias_passes; "calibrate",
     "calibrate+reorder" and "sort" add passage_attention (k,) (attention mass from the question to
     each passage, as last measured) and the first two calibrated_relevance (k,) and passage_weights
     (k,) (the intervention's scale per passage), and with settings["debias_orders"] == 2
@@ -671,6 +672,7 @@ class LongDocQA:
         llm = self.llm
         passes = 1
         ctx, mass = self._measure(passages, question, mode, settings, max_new)
+        first = ctx  # block modes: the build that met the store as the question found it
         reused = ctx.reused_prefill_ms
         out = {}
         if method == "sort":
@@ -721,6 +723,11 @@ class LongDocQA:
             out["calibrated_relevance"] = rel.tolist()
         out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist(),
                 "reused_prefill_ms": reused}
+        if ctx is not first and first.block_stats is not None and ctx.block_stats is not None:
+            # later builds find every block stored by the first: report the first's lookups and encoding
+            ctx.block_stats = replace(ctx.block_stats, kv_hits=first.block_stats.kv_hits,
+                                      kv_misses=first.block_stats.kv_misses,
+                                      encode_ms=first.block_stats.encode_ms + ctx.block_stats.encode_ms)
         return ctx, passages, out
 
 

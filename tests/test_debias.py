@@ -207,6 +207,17 @@ def test_calibrate_reorder_with_two_orders_reuses_the_reversed_context(tiny_qa, 
         assert c.title == rr.passages[c.n - 1].title
 
 
+@pytest.mark.parametrize("method", ["calibrate+reorder", "sort"])
+def test_debiased_answer_reports_the_blocks_it_encoded(tiny_qa, method):
+    # a cold store: the first build encodes every passage; the answer must say so, not the later builds' hits
+    q = "What torque for the fan hub bolts?"
+    cold = tiny_qa.answer(q, PASSAGES, attention="block", debias=method).timings
+    assert cold["debias_passes"] >= 2  # the final context is a later build, or the check proves nothing
+    assert cold["kv_misses"] == len(PASSAGES) and cold["kv_hits"] == 0 and cold["encode_ms"] > 0
+    warm = tiny_qa.answer(q, PASSAGES, attention="block", debias=method).timings
+    assert warm["kv_misses"] == 0 and warm["kv_hits"] == len(PASSAGES)
+
+
 def test_sort_moves_the_most_attended_passage_last(tiny_qa):
     ans = tiny_qa.answer("What torque for the fan hub bolts?", PASSAGES, debias="sort")
     att = ans.timings["passage_attention"]  # measured on the final order
