@@ -78,8 +78,9 @@ MEASURE_ORDERS = {"full": 1, "block": 2, "block+recompute": 2}
 # How the calibrate methods turn measured mass a and bias b into relevance (`calibrated_relevance`), per
 # attention mode: "difference" (a - b, found-in-the-middle) or "ratio" (a / b). Block: "ratio" (block
 # calibrate+reorder, 200 NQ questions, spread 8.0 -> 3.5 points at 20 passages, 4.0 -> 3.0 at 10;
-# block+recompute follows block, unmeasured). Full: "difference" until the ratio form is measured there
-# (docs/results.md, issue 6, session 11).
+# block+recompute follows block, unmeasured). Full: "difference" (with one order and full attention's
+# U-shaped bias, a / b over-corrects the last slot: 65 questions, spread 13.8 -> 20.0; docs/results.md,
+# issue 6, session 11).
 CALIBRATION_FORMS = ("difference", "ratio")
 CALIBRATION = {"full": "difference", "block": "ratio", "block+recompute": "ratio"}
 # The intervention's strength per calibration form (`log_weights`). "ratio": 1.2 gives the gold passage
