@@ -165,11 +165,8 @@ def calibrated_relevance(mass: torch.Tensor, bias: torch.Tensor, form: str = "di
     irrelevant passage gets there"). Raises ValueError on other shapes or forms."""
     if mass.shape != bias.shape:
         raise ValueError(f"mass {tuple(mass.shape)} and bias {tuple(bias.shape)} must both be (k,)")
-    if form == "difference":
-        return mass - bias
-    if form == "ratio":
-        return mass / bias.clamp_min(1e-9)
-    raise ValueError(f"calibration form {form!r}: choose one of {', '.join(CALIBRATION_FORMS)}")
+    _check_form(form)
+    return mass - bias if form == "difference" else mass / bias.clamp_min(1e-9)
 
 
 def two_order_relevance(mass: torch.Tensor, mass_rev: torch.Tensor, bias: torch.Tensor,
@@ -192,13 +189,15 @@ def log_weights(rel: torch.Tensor, mass: torch.Tensor, strength: float | None = 
     "difference": log w_p = strength * (r_p - mean r) / mean(mass) (r in attention-mass units);
     "ratio": log w_p = strength * (r_p - mean r) (r already relative). 0 for all passages when the
     relevance is equal. strength: default STRENGTH[form]."""
+    _check_form(form)
     strength = STRENGTH[form] if strength is None else strength
     centred = rel - rel.mean()
-    if form == "ratio":
-        return strength * centred
-    if form == "difference":
-        return strength * centred / mass.mean().clamp_min(1e-9)
-    raise ValueError(f"calibration form {form!r}: choose one of {', '.join(CALIBRATION_FORMS)}")
+    return strength * centred if form == "ratio" else strength * centred / mass.mean().clamp_min(1e-9)
+
+
+def _check_form(form: str) -> None:
+    if form not in CALIBRATION_FORMS:
+        raise ValueError(f"calibration form {form!r}: choose one of {', '.join(CALIBRATION_FORMS)}")
 
 
 def slot_bias(spans, log_w_passages: torch.Tensor, length: int) -> torch.Tensor:

@@ -572,9 +572,9 @@ def mode_cache_key(m: Mode, retrieval_config=None) -> str:
     `top_k_keys`) recomputes those answers instead of reading stale ones; likewise the calibrate
     methods' defaults for the mode (measurement orders, calibration form and its strength,
     `ldqa.attention.debias`)."""
-    if m.debias in ("calibrate", "calibrate+reorder") and m.attention in ("full", "block", "block+recompute"):
-        from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS, STRENGTH
+    from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS, STRENGTH
 
+    if m.debias in ("calibrate", "calibrate+reorder") and m.attention in CALIBRATION:
         form = CALIBRATION[m.attention]
         d = {"orders": MEASURE_ORDERS[m.attention], "calibration": form, "strength": STRENGTH[form]}
         return m.key + "#" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
