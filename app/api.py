@@ -82,7 +82,8 @@ class Answer:
     is off (its RoPE self-check failed) `attention_used` says "full" and `fallback_reason` why.
     timings also has tokens_reused / tokens_computed and, in block modes, kv_hits, kv_misses,
     kv_hit_rate, assemble_ms, encode_ms (with debiasing the lookups and encode_ms are the first context
-    build's, which met the store as the question found it). With `debias` other than "none": debias_ms and debias_passes; "calibrate",
+    build's, which met the store as the question found it). With `debias` other than "none": debias_ms
+    and debias_passes; "calibrate",
     "calibrate+reorder" and "sort" add passage_attention (k,) (attention mass from the question to
     each passage, as last measured) and the first two calibrated_relevance (k,) and passage_weights
     (k,) (the intervention's scale per passage), and with settings["debias_orders"] == 2

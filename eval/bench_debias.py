@@ -49,7 +49,7 @@ def run(qa, records, args) -> dict:
     refresh()
     if qa is not None:
         check_settings(done.values(), args.debias_orders, args.methods.split(","), args.attention.split(","),
-                     args.debias_calibration)
+                       args.debias_calibration)
     if rows_path.exists() and rows_path.stat().st_size and not rows_path.read_bytes().endswith(b"\n"):
         with open(rows_path, "a") as f:  # start new rows on a line of their own after a cut-off one
             f.write("\n")
@@ -134,7 +134,7 @@ def run(qa, records, args) -> dict:
 
 
 def check_settings(rows, orders: int | None, methods: list[str], modes: list[str],
-                 calibration: str | None = None) -> None:
+                   calibration: str | None = None) -> None:
     """Raise SystemExit if a calibrate row in `rows` of one of the `methods` x `modes` this run answers
     was measured with other debias_orders or debias_calibration than the run would use (`orders`,
     `calibration`; None: the default per attention mode, MEASURE_ORDERS and CALIBRATION): resuming would
