@@ -389,7 +389,8 @@ class LongDocQA:
         default `ldqa.attention.debias.MEASURE_ORDERS` (2 in block modes: one more re-assembly from
         stored blocks; 1 with full attention, where it would cost another prefill).
         debias_calibration: how the two calibrate methods calibrate the measured attention a against the
-        bias curve b: "difference" (a - b, found-in-the-middle) or "ratio" (a / b); default
+        bias curve b: "difference" (a - b, found-in-the-middle), "ratio" (a / b) or "pearson"
+        ((a - b) / sqrt(b)); default
         `ldqa.attention.debias.CALIBRATION` for the attention mode.
         block_headers: "cached" (default; each "Passage [n]" header is a reused block, only the question
         is computed fresh) or "fresh" (headers computed with the question, attending to all before them).
@@ -699,6 +700,7 @@ class LongDocQA:
                 rev = mass_rev.flip(0)  # per passage, in the given order
             else:
                 rel = D.calibrated_relevance(mass, bias, form)
+            measured = mass  # by slot, as measured: what "pearson" normalises by, with bias
             if method == "calibrate+reorder":
                 order = D.reorder_for_bias(rel, bias)
                 passages, rel, mass = [passages[i] for i in order], rel[order], mass[order]
@@ -709,7 +711,7 @@ class LongDocQA:
                     ctx = self._build_context(passages, question, mode, settings, max_new)
                     reused += ctx.reused_prefill_ms
                     passes += 1
-            log_w = D.log_weights(rel, mass, settings.get("debias_strength"), form)  # mean(mass): order-free
+            log_w = D.log_weights(rel, measured, settings.get("debias_strength"), form, bias=bias)
             L = ctx.cache.length
             n_q = len(ctx.prompt.question)
             hook = D.DebiasKV(log_w=D.slot_bias(D.passage_spans(ctx.prompt), log_w, L + max_new + 8),

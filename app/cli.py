@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--debias-orders", type=int, choices=[1, 2], default=None,
                        help="calibrate methods: measure passage attention in the given order (1) or also reversed "
                             "(2; default 2 in block modes, 1 with full attention)")
-        p.add_argument("--debias-calibration", choices=["difference", "ratio"], default=None,
+        p.add_argument("--debias-calibration", choices=["difference", "ratio", "pearson"], default=None,
                        help="calibrate methods: relevance as measured attention minus (difference) or over (ratio) "
-                            "the position-only bias curve (default per attention mode: "
+                            "the position-only bias curve, or their Pearson residual (a - b) / sqrt(b) "
+                            "(pearson) (default per attention mode: "
                             "ldqa.attention.debias.CALIBRATION)")
         p.add_argument("--block-headers", choices=["cached", "fresh"], default=None,
                        help="block modes: cached (default; each 'Passage [n]' header is a reused block, only the "

@@ -30,12 +30,16 @@ Methods (`METHODS`):
   gold ranked first at slot 1 0.88 -> 0.95; docs/results.md, issue 6, session 9). Averaging over
   orders is the idea of permutation self-consistency (Tang et al. 2023, "Found in the Middle:
   Permutation Self-Consistency Improves Listwise Ranking in Large Language Models", sec. 2).
-- Both calibrate methods can calibrate in two forms (`CALIBRATION_FORMS`, default per attention mode
-  `CALIBRATION`): "difference", r = a - b (found-in-the-middle), or "ratio", r = a / b. If the position
+- Both calibrate methods can calibrate in three forms (`CALIBRATION_FORMS`, default per attention mode
+  `CALIBRATION`): "difference", r = a - b (found-in-the-middle), "ratio", r = a / b, or "pearson",
+  r = (a - b) / sqrt(b) (the Pearson residual of observed a against expected b). If the position
   bias is multiplicative (a passage at slot s gets b_s times what its relevance earns), a - b scales
   with b_s: the relevant passage's calibrated relevance, and so its intervention weight, is larger
   where the bias is large (with two orders: at both ends) and the answers follow that U; a / b gives it
-  the same weight at every slot (`STRENGTH` per form; docs/results.md, issue 6, session 11).
+  the same weight at every slot (`STRENGTH` per form; docs/results.md, issue 6, session 11). With one
+  order and full attention's U-shaped bias, a / b over-corrects the last slot; the Pearson residual,
+  between the two (it scales with sqrt(b_s)), gives the gold passage the flattest weight across slots
+  on held-out questions' recorded attention (docs/results.md, issue 6, session 12).
 - "sort": attention sorting, `sort_rounds` rounds: order passages by observed mass, ascending (most
   attended last), rebuild the context, measure again.
 - "buckets": Attention Buckets (Chen et al. 2023, "Fortify the Shortest Stave in Attention", sec. 3):
@@ -81,13 +85,14 @@ MEASURE_ORDERS = {"full": 1, "block": 2, "block+recompute": 2}
 # block+recompute follows block, unmeasured). Full: "difference" (with one order and full attention's
 # U-shaped bias, a / b over-corrects the last slot: 65 questions, spread 13.8 -> 20.0; docs/results.md,
 # issue 6, session 11).
-CALIBRATION_FORMS = ("difference", "ratio")
+CALIBRATION_FORMS = ("difference", "ratio", "pearson")
 CALIBRATION = {"full": "difference", "block": "ratio", "block+recompute": "ratio"}
 # The intervention's strength per calibration form (`log_weights`). "ratio": 1.2 gives the gold passage
 # of 60 held-out NQ questions (block, 20 passages, two orders) a median log-weight of 1.6-1.8 at every
 # slot, what "difference" at 1.0 gives it at the ends (1.7) and more than in the middle (1.2-1.3); set
 # from those questions' recorded attention (docs/data/ranking-block-20-orders2.jsonl.gz), no answers.
-STRENGTH = {"difference": 1.0, "ratio": 1.2}
+# "pearson": 1.0, not tuned (its weights are normalised like "difference"'s, by the mean of a / sqrt(b)).
+STRENGTH = {"difference": 1.0, "ratio": 1.2, "pearson": 1.0}
 
 
 def passage_spans(segments) -> list[tuple[int, int]]:
@@ -162,11 +167,16 @@ def calibrated_relevance(mass: torch.Tensor, bias: torch.Tensor, form: str = "di
     """Calibrated relevance per slot, both (k,): `form` "difference": r = a - b (found-in-the-middle's
     calibration, Hsieh et al. 2024, sec. 3); "ratio": r = a / b (a multiplicative position bias: the
     attention a passage gets is its relevance scaled by its slot's bias, so r is in units of "times what an
-    irrelevant passage gets there"). Raises ValueError on other shapes or forms."""
+    irrelevant passage gets there"); "pearson": r = (a - b) / sqrt(b), the Pearson residual of the observed
+    mass against the bias as its expectation, between the two (a - b scales with b_s, a / b not at all,
+    this with sqrt(b_s)). Raises ValueError on other shapes or forms."""
     if mass.shape != bias.shape:
         raise ValueError(f"mass {tuple(mass.shape)} and bias {tuple(bias.shape)} must both be (k,)")
     _check_form(form)
-    return mass - bias if form == "difference" else mass / bias.clamp_min(1e-9)
+    if form == "difference":
+        return mass - bias
+    b = bias.clamp_min(1e-9)
+    return mass / b if form == "ratio" else (mass - bias) / b.sqrt()
 
 
 def two_order_relevance(mass: torch.Tensor, mass_rev: torch.Tensor, bias: torch.Tensor,
@@ -184,15 +194,25 @@ def two_order_relevance(mass: torch.Tensor, mass_rev: torch.Tensor, bias: torch.
 
 
 def log_weights(rel: torch.Tensor, mass: torch.Tensor, strength: float | None = None,
-                form: str = "difference") -> torch.Tensor:
+                form: str = "difference", bias: torch.Tensor | None = None) -> torch.Tensor:
     """The intervention's log-scale per passage, (k,) from relevance `rel` (k,) of the given `form`:
     "difference": log w_p = strength * (r_p - mean r) / mean(mass) (r in attention-mass units);
-    "ratio": log w_p = strength * (r_p - mean r) (r already relative). 0 for all passages when the
-    relevance is equal. strength: default STRENGTH[form]."""
+    "ratio": log w_p = strength * (r_p - mean r) (r already relative);
+    "pearson": log w_p = strength * (r_p - mean r) / mean(mass / sqrt(bias)) (r in sqrt-mass units), with
+    mass (k,) and bias (k,) both by slot as measured. 0 for all passages when the relevance is equal.
+    strength: default STRENGTH[form]. Raises ValueError on an unknown form, or "pearson" without a bias
+    of mass's shape."""
     _check_form(form)
     strength = STRENGTH[form] if strength is None else strength
     centred = rel - rel.mean()
-    return strength * centred if form == "ratio" else strength * centred / mass.mean().clamp_min(1e-9)
+    if form == "ratio":
+        return strength * centred
+    if form == "pearson":
+        if bias is None or bias.shape != mass.shape:
+            raise ValueError(f"calibration form 'pearson' needs the bias curve by slot, shaped like mass "
+                             f"{tuple(mass.shape)}; got {None if bias is None else tuple(bias.shape)}")
+        return strength * centred / (mass / bias.clamp_min(1e-9).sqrt()).mean().clamp_min(1e-9)
+    return strength * centred / mass.mean().clamp_min(1e-9)
 
 
 def _check_form(form: str) -> None:

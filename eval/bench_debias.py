@@ -290,8 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("out/bench-debias"))
     ap.add_argument("--debias-orders", type=int, choices=[1, 2], default=None,
                     help="passage orders the calibrate methods measure (default: ldqa's, 2 in block modes, 1 full)")
-    ap.add_argument("--debias-calibration", choices=["difference", "ratio"], default=None,
-                    help="how the calibrate methods calibrate attention against the bias curve: a - b or a / b "
+    ap.add_argument("--debias-calibration", choices=["difference", "ratio", "pearson"], default=None,
+                    help="how the calibrate methods calibrate attention against the bias curve: a - b, a / b or "
+                         "(a - b) / sqrt(b) "
                          "(default: ldqa's per attention mode, ldqa.attention.debias.CALIBRATION)")
     ap.add_argument("--summary-only", action="store_true",
                     help="load no model: summarize the rows in --out (JSON, markdown table, PNG) as they are")

@@ -112,6 +112,35 @@ def test_ratio_calibration_gives_the_relevant_passage_the_same_weight_at_every_s
         D.calibrated_relevance(mass, flat, "quotient")
 
 
+def test_pearson_calibration_sits_between_difference_and_ratio():
+    mass = torch.tensor([0.10, 0.30, 0.05, 0.20])
+    flat = torch.full((4,), 0.07)
+    rel = D.calibrated_relevance(mass, flat, "pearson")
+    torch.testing.assert_close(rel, (mass - 0.07) / 0.07 ** 0.5)
+    # with a flat bias the normalised weights are those of "difference"
+    torch.testing.assert_close(D.log_weights(rel, mass, form="pearson", bias=flat),
+                               D.log_weights(D.calibrated_relevance(mass, flat), mass))
+    assert torch.all(D.log_weights(torch.ones(4), mass, form="pearson", bias=flat) == 0)
+    with pytest.raises(ValueError, match="bias curve"):
+        D.log_weights(rel, mass, form="pearson")
+    with pytest.raises(ValueError, match="bias curve"):
+        D.log_weights(rel, mass, form="pearson", bias=flat[:3])
+    # one order, U-shaped multiplicative bias: the gold passage's weight varies across slots the most
+    # with a - b, not at all with a / b, in between with the Pearson residual
+    bias = torch.tensor([0.12, 0.05, 0.03, 0.04, 0.06, 0.20])
+    k, rho = 6, 2.0
+    spread = {}
+    for form in ("difference", "pearson", "ratio"):
+        w = []
+        for gold in range(k):
+            mass = bias * (1 + rho * (torch.arange(k) == gold))
+            rel = D.calibrated_relevance(mass, bias, form)
+            assert int(rel.argmax()) == gold
+            w.append(float(D.log_weights(rel, mass, form=form, bias=bias)[gold]))
+        spread[form] = max(w) / min(w)
+    assert spread["ratio"] < 1.0001 < spread["pearson"] < spread["difference"]
+
+
 def test_bias_curve_is_deterministic_for_a_seed_and_cached(tiny_qa):
     a = tiny_qa.bias_curve(3, "full", n_examples=2, seed=1)
     cached = list(Path(tiny_qa_cache(tiny_qa)).glob("debias/*.json"))
@@ -205,6 +234,24 @@ def test_calibrate_reorder_with_two_orders_reuses_the_reversed_context(tiny_qa, 
         assert rr.timings[key] == cal[key][::-1]  # in the final order
     for c in rr.citations:
         assert c.title == rr.passages[c.n - 1].title
+
+
+def test_pearson_weights_use_the_measured_order(tiny_qa, monkeypatch):
+    q = "What torque for the fan hub bolts?"
+    bias = torch.tensor([0.05, 0.30, 0.10, 0.20])  # far from flat, so the normalisation's order shows
+    monkeypatch.setattr(tiny_qa, "bias_curve", lambda k, mode, **kw: bias)
+    cal = tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate", debias_calibration="pearson")
+    assert cal.settings["debias_calibration"] == "pearson" and cal.timings["debias_passes"] == 1
+    mass = torch.tensor(cal.timings["passage_attention"])
+    rel = D.calibrated_relevance(mass, bias, "pearson")
+    torch.testing.assert_close(torch.tensor(cal.timings["calibrated_relevance"]), rel, rtol=1e-4, atol=1e-6)
+    weights = D.log_weights(rel, mass, form="pearson", bias=bias).exp()
+    torch.testing.assert_close(torch.tensor(cal.timings["passage_weights"]), weights, rtol=1e-4, atol=1e-6)
+    order = [2, 0, 3, 1]  # reordering moves each passage's weight with it; the normalisation stays as measured
+    monkeypatch.setattr(D, "reorder_for_bias", lambda rel, bias: order)
+    rr = tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate+reorder", debias_calibration="pearson")
+    assert [p.title for p in rr.passages] == [PASSAGES[i].title for i in order]
+    torch.testing.assert_close(torch.tensor(rr.timings["passage_weights"]), weights[order], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["calibrate+reorder", "sort"])
