@@ -80,3 +80,12 @@ def test_demo_without_store_removes_its_temporary_collection(tmp_path, tiny_mode
     assert r.returncode == 0, r.stderr
     assert f"into {env_tmp}" in r.stdout and "answers contain the gold answer" in r.stdout
     assert not list(env_tmp.glob("ldqa-demo-*"))  # the throwaway collection is gone
+
+
+def test_cli_calibration_choices_are_ldqas_forms():
+    from ldqa.app.cli import build_parser
+    from ldqa.attention.debias import CALIBRATION_FORMS
+    ask = build_parser()._subparsers._group_actions[0].choices["ask"]
+    action = next(a for a in ask._actions if a.dest == "debias_calibration")
+    assert tuple(action.choices) == CALIBRATION_FORMS
+    assert ask.parse_args(["q?", "--debias-calibration", "pearson"]).debias_calibration == "pearson"
