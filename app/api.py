@@ -78,12 +78,16 @@ class Answer:
     text: the answer; citations: Citation per cited passage; passages: the retrieved passages given to
     the model, in prompt order ([1]..[k]); timings: retrieval_ms, prefill_ms, ttft_ms (prefill + first
     token, ms), decode_ms, tokens_per_s (decode throughput), prompt_tokens, generated_tokens, total_ms;
-    settings: what was asked for (top_k, retriever, attention, model, recompute_ratio); when block reuse
-    is off (its RoPE self-check failed) `attention_used` says "full" and `fallback_reason` why.
+    settings: what was asked for, with the defaults filled in (top_k, retriever, attention, model,
+    recompute_ratio in block+recompute, block_headers in block modes, debias, and debias_orders and
+    debias_calibration with the calibrate methods); when block reuse is off (its RoPE self-check failed)
+    `attention_used` says "full" and `fallback_reason` why.
     timings also has tokens_reused / tokens_computed and, in block modes, kv_hits, kv_misses,
     kv_hit_rate, assemble_ms, encode_ms (with debiasing the lookups and encode_ms are the first context
     build's, which met the store as the question found it). With `debias` other than "none": debias_ms
-    and debias_passes; "calibrate",
+    and debias_passes; "calibrate" and "calibrate+reorder" add bias_curve_ms (the bias curve's lookup;
+    the first question for a number of passages and an attention mode estimates it, about 16 prefills,
+    and that time is also in debias_ms and ttft_ms); "calibrate",
     "calibrate+reorder" and "sort" add passage_attention (k,) (attention mass from the question to
     each passage, as last measured) and the first two calibrated_relevance (k,) and passage_weights
     (k,) (the intervention's scale per passage), and with settings["debias_orders"] == 2
@@ -482,8 +486,12 @@ class LongDocQA:
             settings["debias_orders"] = settings.get("debias_orders") or MEASURE_ORDERS[attention]
             settings["debias_calibration"] = settings.get("debias_calibration") or CALIBRATION[attention]
         else:
-            settings.pop("debias_orders", None)
-            settings.pop("debias_calibration", None)
+            ignored = {k: v for k in ("debias_orders", "debias_calibration")
+                       if (v := settings.pop(k, None)) is not None}
+            if ignored:
+                log.warning("%s: only the calibrate methods use %s; ignored with debias=%r",
+                            ", ".join(f"{k}={v!r}" for k, v in ignored.items()),
+                            "it" if len(ignored) == 1 else "them", settings.get("debias"))
         stream = AnswerStream(iter(()))
         stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings,
                                         max_new or self.max_new_tokens, t0, rcfg)
@@ -688,8 +696,10 @@ class LongDocQA:
                 passes += 1
             ctx.cache.policy = None
         else:
+            t_bias = time.perf_counter()
             bias = self.bias_curve(len(passages), mode if mode != "retrieval" else "full",
                                    block_headers=settings.get("block_headers"))
+            out["bias_curve_ms"] = _ms(t_bias)
             k, rctx, rev = len(passages), None, None
             form = settings["debias_calibration"]
             if settings.get("debias_orders", 1) == 2 and k > 1:  # also measure in the reversed order

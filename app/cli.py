@@ -72,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="calibrate methods: measure passage attention in the given order (1) or also reversed "
                             "(2; default 2 in block modes, 1 with full attention)")
         p.add_argument("--debias-calibration", choices=["difference", "ratio", "pearson"], default=None,
-                       help="calibrate methods: relevance as measured attention minus (difference) or over (ratio) "
-                            "the position-only bias curve, or their Pearson residual (a - b) / sqrt(b) "
-                            "(pearson) (default per attention mode: "
-                            "ldqa.attention.debias.CALIBRATION)")
+                       help="calibrate methods: a passage's relevance from its measured attention a and the "
+                            "position-only bias curve b of its slot: a - b (difference), a / b (ratio) or the "
+                            "Pearson residual (a - b) / sqrt(b) (pearson) (default: difference with full "
+                            "attention, ratio in block modes)")
         p.add_argument("--block-headers", choices=["cached", "fresh"], default=None,
                        help="block modes: cached (default; each 'Passage [n]' header is a reused block, only the "
                             "question is computed fresh) or fresh (headers computed with the question)")

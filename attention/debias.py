@@ -184,10 +184,10 @@ def calibrated_relevance(mass: torch.Tensor, bias: torch.Tensor, form: str = "di
 def two_order_relevance(mass: torch.Tensor, mass_rev: torch.Tensor, bias: torch.Tensor,
                         form: str = "difference") -> torch.Tensor:
     """Calibrated relevance from two measurements: (k,) per passage in the given order,
-    r_p = (c(a_p, b_p) + c(a'_{k-1-p}, b_{k-1-p})) / 2 with c the `form`'s calibration (a - b or a / b,
-    `calibrated_relevance`), where a (k,) was measured with passage p at slot p and a' (k,) with the order
-    reversed (indexed by slot: passage k-1-s at slot s); bias b (k,) by slot. Each passage is thus scored
-    at two mirrored slots (Tang et al. 2023, permutation self-consistency).
+    r_p = (c(a_p, b_p) + c(a'_{k-1-p}, b_{k-1-p})) / 2 with c the `form`'s calibration (a - b, a / b or
+    (a - b) / sqrt(b), `calibrated_relevance`), where a (k,) was measured with passage p at slot p and
+    a' (k,) with the order reversed (indexed by slot: passage k-1-s at slot s); bias b (k,) by slot. Each
+    passage is thus scored at two mirrored slots (Tang et al. 2023, permutation self-consistency).
     Raises ValueError unless all three are (k,), or on an unknown form."""
     if not mass.shape == mass_rev.shape == bias.shape or mass.dim() != 1:
         raise ValueError(f"mass {tuple(mass.shape)}, mass_rev {tuple(mass_rev.shape)} and bias "

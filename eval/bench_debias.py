@@ -67,9 +67,11 @@ def run(qa, records, args) -> dict:
                         key = (i, pos, mode, method)
                         if key in done or not _applies(method, mode):
                             continue
+                        calibrates = method in ("calibrate", "calibrate+reorder")  # the others ignore them
                         ans = qa.answer(ex["question"], ex["passages"], attention=mode, debias=method,
-                                        max_new_tokens=32, debias_orders=args.debias_orders,
-                                        debias_calibration=args.debias_calibration)
+                                        max_new_tokens=32,
+                                        debias_orders=args.debias_orders if calibrates else None,
+                                        debias_calibration=args.debias_calibration if calibrates else None)
                         row = {"i": i, "position": pos, "attention": mode, "method": method,
                                "prediction": ans.text, "em": best_subspan_em(ans.text, ex["answers"]),
                                "ttft_ms": ans.timings["ttft_ms"], "total_ms": ans.timings["total_ms"],

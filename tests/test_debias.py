@@ -223,6 +223,20 @@ def test_debias_calibration_setting(tiny_qa):
         tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_calibration="quotient")
 
 
+def test_calibration_settings_ignored_by_other_methods_say_so(tiny_qa, caplog):
+    q = "What torque for the fan hub bolts?"
+    with caplog.at_level("WARNING", logger="ldqa.app.api"):
+        ans = tiny_qa.answer(q, PASSAGES, attention="block", debias="sort", debias_calibration="pearson")
+    assert "debias_calibration" not in ans.settings
+    assert "debias_calibration='pearson'" in caplog.text and "ignored with debias='sort'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ldqa.app.api"):
+        cal = tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_calibration="pearson")
+    assert "ignored" not in caplog.text
+    # the bias curve's lookup (here an estimate: the store's first calibrate question) is part of debias_ms
+    assert 0 < cal.timings["bias_curve_ms"] <= cal.timings["debias_ms"]
+
+
 def test_calibrate_reorder_with_two_orders_reuses_the_reversed_context(tiny_qa, monkeypatch):
     q = "What torque for the fan hub bolts?"
     cal = tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate").timings
