@@ -294,8 +294,7 @@ def main(argv=None) -> int:
                     help="passage orders the calibrate methods measure (default: ldqa's, 2 in block modes, 1 full)")
     ap.add_argument("--debias-calibration", choices=["difference", "ratio", "pearson"], default=None,
                     help="how the calibrate methods calibrate attention against the bias curve: a - b, a / b or "
-                         "(a - b) / sqrt(b) "
-                         "(default: ldqa's per attention mode, ldqa.attention.debias.CALIBRATION)")
+                         "(a - b) / sqrt(b) (default: ldqa's per attention mode, ldqa.attention.debias.CALIBRATION)")
     ap.add_argument("--summary-only", action="store_true",
                     help="load no model: summarize the rows in --out (JSON, markdown table, PNG) as they are")
     ap.add_argument("--reverse", action="store_true",
