@@ -76,7 +76,8 @@ METHODS = ("none", "calibrate", "calibrate+reorder", "sort", "buckets")
 # trained). Not tuned: the paper searches bases per model; ours are spread in log scale around 1. Far
 # smaller bases (x 0.002-0.01 of Gemma 3's 1e6) do fill each other's troughs (each puts the global layers'
 # attention in a band of token distance), but on 14 NQ questions (20 passages) those branches answered by
-# restating the question (25 of 42 answers) and EM fell, 2 vs 4 of 42 (docs/results.md, issue 6, session 14).
+# restating the question (25 of 42 answers) and 2 of 42 were right against 4 with no debiasing
+# (docs/results.md, issue 6, session 14).
 BUCKET_SCALES = (1.0, 0.5, 2.0)
 # Passage orders the calibrate methods measure, per attention mode (1: the given order; 2: also the
 # reversed one). Block modes re-assemble stored blocks for the second (a few hundred ms at 10 passages);
