@@ -171,6 +171,10 @@ class LongDocQA:
         # Recent exact prefills (attention="full"), least recently used first: answering the same prompt
         # again (another debias method, the same question asked twice) starts from a copy. `_full_prefill`.
         self._prefill_memo: OrderedDict = OrderedDict()
+        # Attention Buckets runs the layers below the first global one once for all its branches (same
+        # answers, bit for bit); False runs each branch's whole prefill (the side-by-side comparison in
+        # `python -m ldqa.eval.diag_debias buckets-prefill`).
+        self.share_bucket_layers = True
 
     # ----------------------------------------------------------------- ingestion
     def ingest(self, paths: str | Path | Iterable[str | Path], progress: bool = False) -> IngestReport:
@@ -569,34 +573,44 @@ class LongDocQA:
             headers=settings.get("block_headers") or DEFAULT_HEADERS)
         return _Context(prompt, cache, logits, stats)
 
-    def _full_prefill(self, prompt, max_new, theta_scale: float = 1.0):
+    def _prefill_key(self, prompt, theta_scale: float = 1.0) -> tuple:
+        return tuple(prompt.ids()), self.llm.fingerprint, float(theta_scale)
+
+    def _full_prefill(self, prompt, max_new, theta_scale: float = 1.0, shared: dict | None = None):
         """Exact prefill of `prompt` (attention="full") with the question's queries recorded (for the
         debias methods' attention measurement; recording does not change the attention). `theta_scale`
         multiplies the RoPE base of the global layers (Attention Buckets' branches; 1 = the model).
+        `shared`: the layers below the first global one, already run on this prompt (`_shared_layers`);
+        the prefill then starts there, bit-identical to a whole one (those layers do not see the scale).
 
         Recent prefills are kept (copies of their KV caches, at most `PREFILL_MEMO_BYTES` in all, least
         recently used dropped first): the same prompt again starts from a copy, bit-identical to
         computing it anew. The context then carries `reused_prefill_ms`, the measured time of the
-        prefill it reused, so that latency reports can add it back (what a caller asking only this would
-        have waited). Returns a _Context."""
+        prefill it reused (with a shared start: that start's time included), so that latency reports can
+        add it back (what a caller asking only this would have waited). Returns a _Context."""
         import torch
 
         from ldqa.attention.debias import DebiasKV
 
         llm = self.llm
         ids = prompt.ids()
-        key = (tuple(ids), llm.fingerprint, float(theta_scale))
+        key = self._prefill_key(prompt, theta_scale)
         memo = self._prefill_memo.get(key)
         if memo is not None:
             self._prefill_memo.move_to_end(key)
             return _Context(prompt, memo["cache"].clone(), memo["logits"].clone(), None, memo["queries"], memo["ms"])
         t0 = time.perf_counter()
         rec = DebiasKV(n_record=len(prompt.question), scale=llm.model.cfg.attn_scale)
-        cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
+        if shared is None:
+            cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
+            start, shared_ms = None, 0.0
+        else:  # the shared layers' K/V sit in the copy's next slots; the pass resumes at the first global layer
+            cache = shared["cache"].clone()
+            start, shared_ms = (shared["layer"], shared["hidden"]), shared["ms"]
         cache.policy, cache.theta_scale = rec, float(theta_scale)
-        logits = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
+        logits = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache, start=start)
         cache.policy = None
-        ms, size = _ms(t0), cache.capacity * cache.nbytes() // max(1, cache.length)  # bytes of a copy
+        ms, size = _ms(t0) + shared_ms, cache.capacity * cache.nbytes() // max(1, cache.length)  # bytes of a copy
         if size <= PREFILL_MEMO_BYTES:
             memo = self._prefill_memo
             while memo and size + sum(m["bytes"] for m in memo.values()) > PREFILL_MEMO_BYTES:
@@ -651,6 +665,26 @@ class LongDocQA:
 
         return load_or_estimate_bias(path, lambda: estimate_bias(measure, llm.tokenizer, k, n_examples, seed))
 
+    def _shared_layers(self, prompt, max_new) -> dict | None:
+        """The layers of `prompt`'s exact prefill below the model's first global-attention layer, which
+        no RoPE scale of the global layers changes (Gemma 3 270M: 5 sliding-window layers of 18): a dict
+        with the cache holding their K/V in its next slots (not yet counted in its length), the hidden
+        states (1, n, hidden) entering the first global layer, that layer's index and the time taken (ms);
+        None when the first layer is global (Llama, Qwen: nothing to share)."""
+        import torch
+
+        from ldqa.attention.debias import global_layers
+
+        llm = self.llm
+        first = min(global_layers(llm.model.cfg), default=0)
+        if first == 0:
+            return None
+        t0 = time.perf_counter()
+        ids = prompt.ids()
+        cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
+        hidden = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache, n_layers=first)
+        return {"cache": cache, "hidden": hidden, "layer": first, "ms": _ms(t0)}
+
     def _bucket_context(self, passages, question, mode, settings, max_new):
         """Attention Buckets (ldqa.attention.debias.BUCKET_SCALES): one exact prefill per RoPE base scale
         of the global layers. Returns (branch 0's context with the ensemble's first logits, the
@@ -662,7 +696,11 @@ class LongDocQA:
         llm = self.llm
         scales = tuple(settings.get("bucket_scales") or BUCKET_SCALES)
         prompt = _build_prompt(llm.tokenizer, passages, question, settings)
-        branches = [self._full_prefill(prompt, max_new, s) for s in scales]  # each kept like any exact prefill
+        shared = None  # the layers below the first global one are the same in every branch: run them once
+        missing = sum(self._prefill_key(prompt, s) not in self._prefill_memo for s in scales)
+        if self.share_bucket_layers and missing > 1:
+            shared = self._shared_layers(prompt, max_new)
+        branches = [self._full_prefill(prompt, max_new, s, shared) for s in scales]  # each kept as exact prefills are
         ens = BucketEnsemble(llm.model, [b.cache for b in branches])
         first = ens.pick([b.logits for b in branches])
         settings["bucket_scales"] = list(scales)

@@ -48,7 +48,8 @@ Methods (`METHODS`):
   base; sliding-window layers keep theirs), each branch's attention waveform having its troughs at
   other positions; every decode step runs all branches and the most confident one picks the token
   (`ldqa.attention.generate.BucketEnsemble`). Full attention only (stored blocks are encoded with the
-  model's base). Cost: len(BUCKET_SCALES) prefills and decodes.
+  model's base). Cost: len(BUCKET_SCALES) prefills and decodes, less the layers below the first global
+  layer (Gemma 3 270M: 5 of 18), which no branch's base changes and which run once for all branches.
 
 Extra cost per question (k passages, T question tokens): "calibrate" recomputes the T question tokens
 once (with orders=2 it also builds the reversed context: block modes a re-assembly, full a prefill);

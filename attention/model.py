@@ -271,16 +271,27 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                 all_logits: bool = False, slots: torch.Tensor | None = None,
-                n_layers: int | None = None) -> torch.Tensor:
+                n_layers: int | None = None, start: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
         """slots: (n,) cache slots that already hold these tokens (their positions set): their K/V are
         recomputed and overwritten layer by layer, each layer attending over the whole cache (causal by
         position); the cache does not grow. n_layers: stop after that many layers and return the hidden
-        states (b, n, hidden) instead of logits."""
-        x = self.embed(tokens)  # (b, n, hidden)
+        states (b, n, hidden) instead of logits (the cache holds those layers' K/V for these tokens, not
+        yet counted in its length). start: (layer j, hidden states (b, n, hidden) entering layer j) resumes
+        such a pass at layer j: layers below j are skipped and must already hold these tokens' K/V (and
+        positions) in `cache`'s next slots, as `n_layers=j` leaves them. A pass split this way is the same
+        computation, bit for bit, as one pass. Raises ValueError for a `start` layer out of range."""
+        if start is None:
+            first, x = 0, self.embed(tokens)  # (b, n, hidden)
+        else:
+            first, x = start
+            if not 0 <= first <= len(self.model.layers):
+                raise ValueError(f"start layer {first} is outside 0..{len(self.model.layers)}")
         rope = {}
         masks: dict = {}
         theta_scale = cache.theta_scale if cache is not None else 1.0
         for i, layer in enumerate(self.model.layers[:n_layers]):
+            if i < first:
+                continue
             f = self.freqs_for(i, theta_scale)
             key = id(f)
             if key not in rope:

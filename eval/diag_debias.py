@@ -12,9 +12,15 @@ ranking: on held-out NQ-open questions (seeded, none of bench_debias's questions
   --orders 2 each question is also measured with the passages reversed (debias_orders=2, what block
   modes do by default) and the two-order scores are added: "subtract-2" (ldqa's
   `two_order_relevance`) and "ratio-2" (a / b averaged over both slots).
+buckets-prefill: Attention Buckets' prefill (debias="buckets", full attention, first token only, no prefill
+  kept from an earlier answer) with the layers below the first global layer run once for all branches
+  (ldqa's default) and with every branch prefilled whole, side by side in one process on the same held-out
+  questions (the gold passage at the first of --positions), alternating which goes first; the answers'
+  first tokens must be equal. Prints the median TTFT of each and their ratio.
 
     python -m ldqa.eval.diag_debias rope-scales --scales 0.25,0.5,1,2 --out out/diag-debias
     python -m ldqa.eval.diag_debias ranking --attention block --n 60 --orders 2 --out out/diag-debias
+    python -m ldqa.eval.diag_debias buckets-prefill --passages 20 --n 8 --out out/diag-debias
 """
 
 from __future__ import annotations
@@ -57,12 +63,12 @@ def gold_first(rows: list[dict], positions: list[int]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["rope-scales", "ranking"])
+    ap.add_argument("what", choices=["rope-scales", "ranking", "buckets-prefill"])
     ap.add_argument("--scales", default="0.25,0.5,1,2", help="rope-scales: RoPE base multipliers")
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--positions", default="1,5,10")
     ap.add_argument("--attention", default="block", help="ranking: full or block")
-    ap.add_argument("--n", type=int, default=60, help="ranking: held-out questions")
+    ap.add_argument("--n", type=int, default=60, help="ranking, buckets-prefill: held-out questions")
     ap.add_argument("--bench-n", type=int, default=200, help="ranking: questions bench_debias uses (excluded)")
     ap.add_argument("--seed", type=int, default=0, help="bench_debias's seed (its questions, the distractors)")
     ap.add_argument("--held-out-seed", type=int, default=8, help="ranking: which held-out questions")
@@ -104,6 +110,8 @@ def _run(qa, args) -> int:
     bench = set(random.Random(args.seed).sample(range(len(records)), args.bench_n))
     held_out = random.Random(args.held_out_seed).sample([i for i in range(len(records)) if i not in bench], args.n)
     positions = [int(p) for p in args.positions.split(",")]
+    if args.what == "buckets-prefill":
+        return _buckets_prefill(qa, records, held_out, positions[0], args)
     bias = qa.bias_curve(args.passages, args.attention).tolist()
     name = f"ranking-{args.attention}-{args.passages}" + ("-orders2" if args.orders == 2 else "")
     rows_path = args.out / f"{name}.jsonl"
@@ -129,6 +137,34 @@ def _run(qa, args) -> int:
     for name, by_pos in result["gold_ranked_first"].items():
         print(f"{name:10s}", "  ".join(f"@{p} {v:.2f}" for p, v in by_pos.items()))
     return 0
+
+
+def _buckets_prefill(qa, records, held_out: list[int], position: int, args) -> int:
+    """buckets-prefill (see the module docstring): writes buckets-prefill-{k}.json; exit 1 if a shared
+    and a whole prefill gave different first tokens."""
+    import statistics
+
+    ms = {"shared": [], "whole": []}
+    same = True
+    for n, i in enumerate(held_out):
+        ex = multidoc_example(records, i, args.passages, position, args.seed)
+        first = {}
+        for way in (["shared", "whole"] if n % 2 == 0 else ["whole", "shared"]):
+            qa._prefill_memo.clear()  # every branch prefilled here, none kept from the other way
+            qa.share_bucket_layers = way == "shared"
+            ans = qa.answer(ex["question"], ex["passages"], attention="full", debias="buckets", max_new_tokens=1)
+            ms[way].append(ans.timings["ttft_ms"])
+            first[way] = ans.text
+        same &= first["shared"] == first["whole"]
+        print(f"question {i}: TTFT shared {ms['shared'][-1]:,.0f} ms, whole {ms['whole'][-1]:,.0f} ms", flush=True)
+    qa.share_bucket_layers = True
+    med = {w: statistics.median(v) for w, v in ms.items()}
+    result = {"passages": args.passages, "position": position, "n": len(held_out), "ttft_ms": ms,
+              "median_ttft_ms": med, "whole_over_shared": med["whole"] / med["shared"], "same_first_token": same}
+    (args.out / f"buckets-prefill-{args.passages}.json").write_text(json.dumps(result, indent=1))
+    print(f"median TTFT: shared {med['shared']:,.0f} ms, whole {med['whole']:,.0f} ms "
+          f"(whole / shared {result['whole_over_shared']:.2f}); same first tokens: {same}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

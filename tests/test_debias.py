@@ -358,6 +358,48 @@ def test_buckets_reuse_kept_exact_prefills_per_rope_scale(tiny_qa):
         assert a.text == fresh.text and a.timings["bucket_steps_chosen"] == fresh.timings["bucket_steps_chosen"]
 
 
+def test_bucket_branches_share_the_layers_below_the_first_global_one_bit_for_bit(tiny_qa, monkeypatch):
+    """Attention Buckets runs the layers before the first global layer once for all branches; each branch
+    (its logits, every layer's K/V, the recorded queries) must equal its own whole prefill exactly."""
+    from ldqa.app.api import _build_prompt
+
+    model = tiny_qa.llm.model
+    first = model.cfg.layer_types.index("full")
+    assert first > 0  # the tiny Gemma 3 has sliding layers first, so something is shared
+    prompt = _build_prompt(tiny_qa.llm.tokenizer, PASSAGES, "What torque for the fan hub bolts?", {})
+    calls = []
+    real = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(k.get("start")) or real(*a, **k))
+    tiny_qa._prefill_memo.clear()
+    shared = tiny_qa._shared_layers(prompt, 4)
+    split = [tiny_qa._full_prefill(prompt, 4, s, shared) for s in D.BUCKET_SCALES]
+    assert shared["layer"] == first and sum(c is not None for c in calls) == len(D.BUCKET_SCALES)
+    tiny_qa._prefill_memo.clear()
+    whole = [tiny_qa._full_prefill(prompt, 4, s) for s in D.BUCKET_SCALES]
+    n = len(prompt.ids())
+    for a, b in zip(split, whole):
+        assert torch.equal(a.logits, b.logits) and a.cache.length == b.cache.length == n
+        assert torch.equal(a.cache.positions, b.cache.positions)
+        for layer in range(model.cfg.num_layers):
+            assert torch.equal(a.cache.keys(layer), b.cache.keys(layer))
+            assert torch.equal(a.cache.values(layer), b.cache.values(layer))
+        assert a.queries.keys() == b.queries.keys()
+        assert all(torch.equal(a.queries[k], b.queries[k]) for k in a.queries)
+    # through the API: the shared start is used when two or more branches are not kept, and answers match
+    tiny_qa._prefill_memo.clear()
+    calls.clear()
+    ans = tiny_qa.answer("What torque for the fan hub bolts?", PASSAGES, debias="buckets", max_new_tokens=4)
+    assert sum(c is not None for c in calls) == len(D.BUCKET_SCALES)
+    tiny_qa.share_bucket_layers = False  # whole prefills only
+    calls.clear()
+    tiny_qa._prefill_memo.clear()
+    plain = tiny_qa.answer("What torque for the fan hub bolts?", PASSAGES, debias="buckets", max_new_tokens=4)
+    assert all(c is None for c in calls)
+    assert ans.text == plain.text and ans.timings["bucket_steps_chosen"] == plain.timings["bucket_steps_chosen"]
+    with pytest.raises(ValueError, match="start layer"):
+        model(torch.tensor([[1, 2]]), torch.arange(2), None, start=(model.cfg.num_layers + 1, torch.zeros(1, 2, 8)))
+
+
 def test_bias_curve_under_another_rope_scale(tiny_qa):
     a = tiny_qa.bias_curve(3, "full", n_examples=2, seed=1)
     half = tiny_qa.bias_curve(3, "full", n_examples=2, seed=1, theta_scale=0.5)
