@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -79,8 +80,8 @@ class Answer:
     the model, in prompt order ([1]..[k]); timings: retrieval_ms, prefill_ms, ttft_ms (prefill + first
     token, ms), decode_ms, tokens_per_s (decode throughput), prompt_tokens, generated_tokens, total_ms;
     settings: what was asked for, with the defaults filled in (top_k, retriever, attention, model,
-    recompute_ratio in block+recompute, block_headers in block modes, debias, and debias_orders and
-    debias_calibration with the calibrate methods); when block reuse is off (its RoPE self-check failed)
+    recompute_ratio in block+recompute, block_headers in block modes, debias, and debias_orders,
+    debias_calibration and debias_strength with the calibrate methods); when block reuse is off (its RoPE self-check failed)
     `attention_used` says "full" and `fallback_reason` why.
     timings also has tokens_reused / tokens_computed and, in block modes, kv_hits, kv_misses,
     kv_hit_rate, assemble_ms, encode_ms (with debiasing the lookups and encode_ms are the first context
@@ -366,17 +367,19 @@ class LongDocQA:
     def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
             max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
             block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
-            debias_orders: int | None = None, debias_calibration: str | None = None, **retrieval) -> Answer:
+            debias_orders: int | None = None, debias_calibration: str | None = None,
+            debias_strength: float | None = None, **retrieval) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
         return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio, debias,
                            block_headers, instruction, answer_prefix, debias_orders=debias_orders,
-                           debias_calibration=debias_calibration, **retrieval).result()
+                           debias_calibration=debias_calibration, debias_strength=debias_strength,
+                           **retrieval).result()
 
     def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
                max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
                block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
                debias_orders: int | None = None, debias_calibration: str | None = None,
-               **retrieval) -> AnswerStream:
+               debias_strength: float | None = None, **retrieval) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
@@ -400,6 +403,9 @@ class LongDocQA:
         bias curve b: "difference" (a - b, found-in-the-middle), "ratio" (a / b) or "pearson"
         ((a - b) / sqrt(b)); default
         `ldqa.attention.debias.CALIBRATION` for the attention mode.
+        debias_strength: the calibrate methods' intervention strength s >= 0 (log w_p = s * centred
+        calibrated relevance, `ldqa.attention.debias.log_weights`; 0: no rescaling, calibrate+reorder
+        then only reorders); default `ldqa.attention.debias.STRENGTH` for the calibration form.
         block_headers: "cached" (default; each "Passage [n]" header is a reused block, only the question
         is computed fresh) or "fresh" (headers computed with the question, attending to all before them).
         instruction: the prompt's instruction (default `ldqa.app.prompt.INSTRUCTION`); answer_prefix: the
@@ -412,13 +418,14 @@ class LongDocQA:
         check_prompt_options(instruction, answer_prefix)
         _check_attention(attention, recompute_ratio, block_headers)
         rcfg = _retrieval_config(attention, retrieval)
-        _check_debias(debias, attention, debias_orders, debias_calibration)
+        _check_debias(debias, attention, debias_orders, debias_calibration, debias_strength)
         self.warm_up()  # model loading is not part of a question's timings
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
         settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "debias_orders": debias_orders,
-                    "debias_calibration": debias_calibration, "retrieval_config": rcfg, "block_headers": block_headers,
+                    "debias_calibration": debias_calibration, "debias_strength": debias_strength,
+                    "retrieval_config": rcfg, "block_headers": block_headers,
                     **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
                                    retrieval_ms, settings, t0)
@@ -426,14 +433,14 @@ class LongDocQA:
     def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
                recompute_ratio: float | None = None, debias: str = "none", block_headers: str | None = None,
                instruction: str | None = None, answer_prefix: str = "", debias_orders: int | None = None,
-               debias_calibration: str | None = None, **retrieval) -> Answer:
+               debias_calibration: str | None = None, debias_strength: float | None = None, **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
 
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
         `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
         passages without a chunk_id are stored but not tied to a document. `attention` and the retrieval
-        settings, `instruction`, `answer_prefix`, `debias_orders` and `debias_calibration` as in
-        `stream`.
+        settings, `instruction`, `answer_prefix`, `debias_orders`, `debias_calibration` and
+        `debias_strength` as in `stream`.
         """
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question is empty: ask something")
@@ -442,12 +449,12 @@ class LongDocQA:
         _check_attention(attention, recompute_ratio, block_headers)
         check_prompt_options(instruction, answer_prefix)
         rcfg = _retrieval_config(attention, retrieval)
-        _check_debias(debias, attention, debias_orders, debias_calibration)
+        _check_debias(debias, attention, debias_orders, debias_calibration, debias_strength)
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
         settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg, "debias": debias,
                     "debias_orders": debias_orders, "debias_calibration": debias_calibration,
-                    "block_headers": block_headers,
+                    "debias_strength": debias_strength, "block_headers": block_headers,
                     **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
                                    settings, time.perf_counter()).result()
@@ -485,12 +492,15 @@ class LongDocQA:
         else:
             settings.pop("block_headers", None)
         if settings.get("debias") in ("calibrate", "calibrate+reorder"):
-            from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS
+            from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS, STRENGTH
 
             settings["debias_orders"] = settings.get("debias_orders") or MEASURE_ORDERS[attention]
             settings["debias_calibration"] = settings.get("debias_calibration") or CALIBRATION[attention]
+            if settings.get("debias_strength") is None:
+                settings["debias_strength"] = STRENGTH[settings["debias_calibration"]]
+            settings["debias_strength"] = float(settings["debias_strength"])
         else:
-            ignored = {k: v for k in ("debias_orders", "debias_calibration")
+            ignored = {k: v for k in ("debias_orders", "debias_calibration", "debias_strength")
                        if (v := settings.pop(k, None)) is not None}
             if ignored:
                 log.warning("%s: only the calibrate methods use %s; ignored with debias=%r",
@@ -833,7 +843,8 @@ def _check_attention(attention, ratio, block_headers=None) -> None:
         raise ValueError(f"block_headers={block_headers!r}: choose one of {', '.join(HEADER_MODES)}")
 
 
-def _check_debias(debias: str, attention: str, orders: int | None = None, calibration: str | None = None) -> None:
+def _check_debias(debias: str, attention: str, orders: int | None = None, calibration: str | None = None,
+                  strength: float | None = None) -> None:
     from ldqa.attention.debias import CALIBRATION_FORMS, METHODS
 
     if debias not in METHODS:
@@ -844,6 +855,10 @@ def _check_debias(debias: str, attention: str, orders: int | None = None, calibr
     if calibration is not None and calibration not in CALIBRATION_FORMS:
         raise ValueError(f"debias_calibration={calibration!r}: choose one of {', '.join(CALIBRATION_FORMS)}, or None "
                          "for the default")
+    if strength is not None and (isinstance(strength, bool) or not isinstance(strength, (int, float))
+                                 or not math.isfinite(strength) or strength < 0):
+        raise ValueError(f"debias_strength={strength!r}: give a finite number >= 0 (0: no rescaling), or None for "
+                         "the default (ldqa.attention.debias.STRENGTH)")
     if debias != "none" and attention == "retrieval":
         raise ValueError("debias methods work with attention='full', 'block' or 'block+recompute', not 'retrieval'")
     if debias == "buckets" and attention != "full":

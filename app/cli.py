@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "position-only bias curve b of its slot: a - b (difference), a / b (ratio) or the "
                             "Pearson residual (a - b) / sqrt(b) (pearson) (default: difference with full "
                             "attention, ratio in block modes)")
+        p.add_argument("--debias-strength", type=float, default=None,
+                       help="calibrate methods: the intervention's strength s >= 0, the scale of each passage's "
+                            "log attention weight (0: no rescaling; default 1.0 for difference and pearson, "
+                            "1.2 for ratio: ldqa.attention.debias.STRENGTH)")
         p.add_argument("--block-headers", choices=["cached", "fresh"], default=None,
                        help="block modes: cached (default; each 'Passage [n]' header is a reused block, only the "
                             "question is computed fresh) or fresh (headers computed with the question)")
@@ -149,7 +153,8 @@ def cmd_ask(args) -> int:
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
               max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
               block_headers=args.block_headers, instruction=args.instruction, answer_prefix=args.answer_prefix,
-              debias_orders=args.debias_orders, debias_calibration=args.debias_calibration, **_retrieval_kw(args))
+              debias_orders=args.debias_orders, debias_calibration=args.debias_calibration,
+              debias_strength=args.debias_strength, **_retrieval_kw(args))
     if args.json:
         print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
         return 0
@@ -203,7 +208,8 @@ def cmd_demo(args) -> int:
         ans = qa.ask(q["question"], top_k=args.top_k, retriever=args.retriever, attention=args.attention,
                      max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
                      debias=args.debias, block_headers=args.block_headers, debias_orders=args.debias_orders,
-                     debias_calibration=args.debias_calibration, **_retrieval_kw(args))
+                     debias_calibration=args.debias_calibration, debias_strength=args.debias_strength,
+                     **_retrieval_kw(args))
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")

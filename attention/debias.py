@@ -36,7 +36,8 @@ Methods (`METHODS`):
   bias is multiplicative (a passage at slot s gets b_s times what its relevance earns), a - b scales
   with b_s: the relevant passage's calibrated relevance, and so its intervention weight, is larger
   where the bias is large (with two orders: at both ends) and the answers follow that U; a / b gives it
-  the same weight at every slot (`STRENGTH` per form; docs/results.md, issue 6, session 11). With one
+  the same weight at every slot (`STRENGTH` per form, the API's default `debias_strength`;
+  docs/results.md, issue 6, session 11). With one
   order and full attention's U-shaped bias, a / b over-corrects the last slot; the Pearson residual,
   between the two (it scales with sqrt(b_s)), gives the gold passage the flattest weight across slots
   on held-out questions' recorded attention (docs/results.md, issue 6, session 12), but the answers

@@ -49,7 +49,7 @@ def run(qa, records, args) -> dict:
     refresh()
     if qa is not None:
         check_settings(done.values(), args.debias_orders, args.methods.split(","), args.attention.split(","),
-                       args.debias_calibration)
+                       args.debias_calibration, args.debias_strength)
     if rows_path.exists() and rows_path.stat().st_size and not rows_path.read_bytes().endswith(b"\n"):
         with open(rows_path, "a") as f:  # start new rows on a line of their own after a cut-off one
             f.write("\n")
@@ -71,7 +71,8 @@ def run(qa, records, args) -> dict:
                         ans = qa.answer(ex["question"], ex["passages"], attention=mode, debias=method,
                                         max_new_tokens=32,
                                         debias_orders=args.debias_orders if calibrates else None,
-                                        debias_calibration=args.debias_calibration if calibrates else None)
+                                        debias_calibration=args.debias_calibration if calibrates else None,
+                                        debias_strength=args.debias_strength if calibrates else None)
                         row = {"i": i, "position": pos, "attention": mode, "method": method,
                                "prediction": ans.text, "em": best_subspan_em(ans.text, ex["answers"]),
                                "ttft_ms": ans.timings["ttft_ms"], "total_ms": ans.timings["total_ms"],
@@ -83,6 +84,8 @@ def run(qa, records, args) -> dict:
                             row["debias_orders"] = ans.settings["debias_orders"]
                         if ans.settings.get("debias_calibration", "difference") != "difference":
                             row["debias_calibration"] = ans.settings["debias_calibration"]
+                        if "debias_strength" in ans.settings:
+                            row["debias_strength"] = ans.settings["debias_strength"]
                         for k in ("passage_attention", "calibrated_relevance"):  # in the final passage order
                             if k in ans.timings:
                                 row[k] = [round(x, 6) for x in ans.timings[k]]
@@ -136,12 +139,13 @@ def run(qa, records, args) -> dict:
 
 
 def check_settings(rows, orders: int | None, methods: list[str], modes: list[str],
-                   calibration: str | None = None) -> None:
+                   calibration: str | None = None, strength: float | None = None) -> None:
     """Raise SystemExit if a calibrate row in `rows` of one of the `methods` x `modes` this run answers
-    was measured with other debias_orders or debias_calibration than the run would use (`orders`,
-    `calibration`; None: the default per attention mode, MEASURE_ORDERS and CALIBRATION): resuming would
-    mix two settings under one method name. Rows without the fields predate them (1 order, "difference")."""
-    from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS
+    was measured with other debias_orders, debias_calibration or debias_strength than the run would use
+    (`orders`, `calibration`, `strength`; None: the defaults, MEASURE_ORDERS and CALIBRATION per attention
+    mode, STRENGTH per calibration form): resuming would mix two settings under one method name. Rows
+    without the fields predate them (1 order, "difference", the form's default strength)."""
+    from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS, STRENGTH
 
     for r in rows:
         if r["method"] in ("calibrate", "calibrate+reorder") and r["method"] in methods and r["attention"] in modes:
@@ -156,6 +160,12 @@ def check_settings(rows, orders: int | None, methods: list[str], modes: list[str
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_calibration="
                                  f"{had}, this run would use {want}: give another --out "
                                  f"(or --debias-calibration {had})")
+            want = STRENGTH[want] if strength is None else float(strength)
+            had = r.get("debias_strength", STRENGTH[had])
+            if abs(had - want) > 1e-9:
+                raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_strength="
+                                 f"{had:g}, this run would use {want:g}: give another --out "
+                                 f"(or --debias-strength {had:g})")
 
 
 def _pair(done: dict, i: int, pos: int, mode: str, method: str) -> tuple[dict | None, dict | None]:
@@ -295,6 +305,9 @@ def main(argv=None) -> int:
     ap.add_argument("--debias-calibration", choices=["difference", "ratio", "pearson"], default=None,
                     help="how the calibrate methods calibrate attention against the bias curve: a - b, a / b or "
                          "(a - b) / sqrt(b) (default: ldqa's per attention mode, ldqa.attention.debias.CALIBRATION)")
+    ap.add_argument("--debias-strength", type=float, default=None,
+                    help="the calibrate methods' intervention strength (default: ldqa's per calibration form, "
+                         "ldqa.attention.debias.STRENGTH)")
     ap.add_argument("--summary-only", action="store_true",
                     help="load no model: summarize the rows in --out (JSON, markdown table, PNG) as they are")
     ap.add_argument("--reverse", action="store_true",

@@ -21,7 +21,7 @@ class FakeQA:
         self.calls = []
 
     def answer(self, question, passages, attention, debias, max_new_tokens, debias_orders=None,
-               debias_calibration=None):
+               debias_calibration=None, debias_strength=None):
         self.calls.append((question, debias, attention))
         i = question[1:-1]
         right = debias == "calibrate" or f"ans{i}" in passages[0]["text"]
@@ -32,15 +32,19 @@ class FakeQA:
             final = final[::-1]
             timings["passage_attention"] = [0.1 * (s + 1) for s in range(len(final))]
             timings["calibrated_relevance"] = [0.0, 0.0, 0.1]  # the last slot ranked first
-        settings = {"debias_orders": debias_orders or 1,
-                    "debias_calibration": debias_calibration or "difference"} if debias.startswith("calibrate") else {}
+        from ldqa.attention.debias import STRENGTH
+
+        form = debias_calibration or "difference"
+        settings = {"debias_orders": debias_orders or 1, "debias_calibration": form,
+                    "debias_strength": STRENGTH[form] if debias_strength is None else debias_strength
+                    } if debias.startswith("calibrate") else {}
         return SimpleNamespace(text=f"ans{i}" if right else "no", timings=timings, passages=final, settings=settings)
 
 
 def _args(tmp_path, reverse=False, n=6):
     return argparse.Namespace(passages=3, positions="1,2,3", n=n, methods="none,calibrate", attention="full",
                               seed=0, out=tmp_path, reverse=reverse, debias_orders=None,
-                              debias_calibration=None)
+                              debias_calibration=None, debias_strength=None)
 
 
 def test_summary_pairs_methods_with_none_and_checks_targets(tmp_path):
@@ -80,9 +84,9 @@ def test_extra_latency_pairs_warm_answers_only(tmp_path):
 
     class ColdFirst(FakeQA):
         def answer(self, question, passages, attention, debias, max_new_tokens, debias_orders=None,
-                   debias_calibration=None):
+                   debias_calibration=None, debias_strength=None):
             ans = super().answer(question, passages, attention, debias, max_new_tokens, debias_orders,
-                                 debias_calibration)
+                                 debias_calibration, debias_strength)
             cold = question not in seen
             seen.add(question)
             ans.timings |= {"kv_misses": 3 if cold else 0, "total_ms": 1000.0 if cold else ans.timings["total_ms"]}
@@ -197,3 +201,30 @@ def test_rows_record_a_ratio_calibration_and_a_run_with_another_does_not_resume_
     with pytest.raises(SystemExit, match="debias_calibration=ratio"):
         B.run(FakeQA(), RECORDS, _args(tmp_path, n=2))  # the default for full attention is "difference"
     B.run(FakeQA(), RECORDS, args)  # resuming with the same setting is fine
+
+
+def test_rows_record_the_strength_and_a_run_with_another_does_not_resume_them(tmp_path):
+    args = _args(tmp_path, n=2)
+    args.debias_calibration, args.debias_strength = "pearson", 1.5
+    B.run(FakeQA(), RECORDS, args)
+    rows = [json.loads(line) for line in (tmp_path / "debias-3.jsonl").read_text().splitlines()]
+    assert {r.get("debias_strength") for r in rows if r["method"] == "calibrate"} == {1.5}
+    assert all("debias_strength" not in r for r in rows if r["method"] == "none")
+    args2 = _args(tmp_path, n=2)
+    args2.debias_calibration = "pearson"  # the default strength for pearson is 1.0
+    with pytest.raises(SystemExit, match="debias_strength=1.5, this run would use 1"):
+        B.run(FakeQA(), RECORDS, args2)
+    args2.debias_strength = 1.0
+    with pytest.raises(SystemExit, match="--debias-strength 1.5"):
+        B.run(FakeQA(), RECORDS, args2)
+    B.run(FakeQA(), RECORDS, args)  # resuming with the same setting is fine
+
+
+def test_rows_without_a_strength_are_taken_at_their_forms_default(tmp_path):
+    """Rows written before debias_strength was recorded used STRENGTH[form]: a default run resumes them,
+    a run at another strength does not."""
+    rows = [{"i": 0, "position": 1, "attention": "full", "method": "calibrate", "debias_calibration": "ratio"}]
+    B.check_settings(rows, None, ["calibrate"], ["full"], "ratio", None)
+    B.check_settings(rows, None, ["calibrate"], ["full"], "ratio", 1.2)  # STRENGTH["ratio"]
+    with pytest.raises(SystemExit, match="debias_strength=1.2"):
+        B.check_settings(rows, None, ["calibrate"], ["full"], "ratio", 1.0)

@@ -223,6 +223,29 @@ def test_debias_calibration_setting(tiny_qa):
         tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_calibration="quotient")
 
 
+def test_debias_strength_setting_scales_the_log_weights(tiny_qa, caplog):
+    q = "What torque for the fan hub bolts?"
+    one = tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate", debias_calibration="pearson")
+    assert one.settings["debias_strength"] == D.STRENGTH["pearson"]
+    two = tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate", debias_calibration="pearson",
+                         debias_strength=2.0)
+    assert two.settings["debias_strength"] == 2.0
+    assert two.timings["calibrated_relevance"] == one.timings["calibrated_relevance"]  # measured before it acts
+    log1, log2 = (torch.tensor(a.timings["passage_weights"]).log() for a in (one, two))
+    assert log1.abs().max() > 1e-3  # the passages got different weights, so the scaling shows
+    torch.testing.assert_close(log2, 2 * log1, rtol=1e-4, atol=1e-6)
+    # strength 0 rescales nothing: the same answer as no debiasing
+    zero = tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate", debias_strength=0, max_new_tokens=8)
+    assert zero.timings["passage_weights"] == [1.0] * len(PASSAGES)
+    assert zero.text == tiny_qa.answer(q, PASSAGES, attention="full", max_new_tokens=8).text
+    for bad in (-0.5, float("nan"), float("inf"), True, "1.5"):
+        with pytest.raises(ValueError, match="debias_strength"):
+            tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate", debias_strength=bad)
+    with caplog.at_level("WARNING", logger="ldqa.app.api"):
+        ans = tiny_qa.answer(q, PASSAGES, attention="full", debias="sort", debias_strength=1.5)
+    assert "debias_strength" not in ans.settings and "debias_strength=1.5" in caplog.text
+
+
 def test_calibration_settings_ignored_by_other_methods_say_so(tiny_qa, caplog):
     q = "What torque for the fan hub bolts?"
     with caplog.at_level("WARNING", logger="ldqa.app.api"):
