@@ -81,8 +81,8 @@ class Answer:
     token, ms), decode_ms, tokens_per_s (decode throughput), prompt_tokens, generated_tokens, total_ms;
     settings: what was asked for, with the defaults filled in (top_k, retriever, attention, model,
     recompute_ratio in block+recompute, block_headers in block modes, debias, and debias_orders,
-    debias_calibration and debias_strength with the calibrate methods); when block reuse is off (its RoPE self-check failed)
-    `attention_used` says "full" and `fallback_reason` why.
+    debias_calibration and debias_strength with the calibrate methods); when block reuse is off (its
+    RoPE self-check failed) `attention_used` says "full" and `fallback_reason` why.
     timings also has tokens_reused / tokens_computed and, in block modes, kv_hits, kv_misses,
     kv_hit_rate, assemble_ms, encode_ms (with debiasing the lookups and encode_ms are the first context
     build's, which met the store as the question found it). With `debias` other than "none": debias_ms
@@ -496,9 +496,9 @@ class LongDocQA:
 
             settings["debias_orders"] = settings.get("debias_orders") or MEASURE_ORDERS[attention]
             settings["debias_calibration"] = settings.get("debias_calibration") or CALIBRATION[attention]
-            if settings.get("debias_strength") is None:
-                settings["debias_strength"] = STRENGTH[settings["debias_calibration"]]
-            settings["debias_strength"] = float(settings["debias_strength"])
+            strength = settings.get("debias_strength")
+            strength = STRENGTH[settings["debias_calibration"]] if strength is None else strength
+            settings["debias_strength"] = float(strength)
         else:
             ignored = {k: v for k in ("debias_orders", "debias_calibration", "debias_strength")
                        if (v := settings.pop(k, None)) is not None}

@@ -154,14 +154,14 @@ def check_settings(rows, orders: int | None, methods: list[str], modes: list[str
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_orders="
                                  f"{r.get('debias_orders', 1)}, this run would use {want}: give another --out "
                                  f"(or --debias-orders {r.get('debias_orders', 1)})")
-            want = calibration or CALIBRATION[r["attention"]]
-            had = r.get("debias_calibration", "difference")
-            if had != want:
+            form = calibration or CALIBRATION[r["attention"]]
+            had_form = r.get("debias_calibration", "difference")
+            if had_form != form:
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_calibration="
-                                 f"{had}, this run would use {want}: give another --out "
-                                 f"(or --debias-calibration {had})")
-            want = STRENGTH[want] if strength is None else float(strength)
-            had = r.get("debias_strength", STRENGTH[had])
+                                 f"{had_form}, this run would use {form}: give another --out "
+                                 f"(or --debias-calibration {had_form})")
+            want = STRENGTH[form] if strength is None else float(strength)
+            had = r.get("debias_strength", STRENGTH[had_form])
             if abs(had - want) > 1e-9:
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_strength="
                                  f"{had:g}, this run would use {want:g}: give another --out "
