@@ -269,24 +269,34 @@ def _applies(method: str, mode: str) -> bool:
     return method != "buckets" or mode == "full"
 
 
-def plot(table: dict, positions: list[int], path: Path, k: int) -> None:
+def plot(table: dict, positions: list[int], path: Path, k: int) -> dict:
+    """PNG of best-subspan EM against the gold position, a line per "attention/method" in `table` (a
+    colour per method, a line style per attention mode; missing cells as gaps). Returns each line's
+    (colour, line style) by name."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    methods = list(dict.fromkeys(name.split("/", 1)[1] for name in table))
+    modes = list(dict.fromkeys(name.split("/", 1)[0] for name in table))
+    styles = {}
     for name, t in table.items():
+        mode, method = name.split("/", 1)
+        styles[name] = (f"C{methods.index(method) % 10}", ("-", "--", ":", "-.")[modes.index(mode) % 4])
         ys = [t["em_by_position"][p] for p in positions]
-        ax.plot(positions, [y if y is not None else float("nan") for y in ys], marker="o", label=name)
+        ax.plot(positions, [y if y is not None else float("nan") for y in ys], marker="o", label=name,
+                color=styles[name][0], linestyle=styles[name][1])
     ax.set_xlabel(f"position of the gold passage (of {k})")
     ax.set_ylabel("best-subspan EM")
     ax.set_xticks(positions)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the curves, not over them
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return styles
 
 
 def main(argv=None) -> int:

@@ -228,3 +228,14 @@ def test_rows_without_a_strength_are_taken_at_their_forms_default(tmp_path):
     B.check_settings(rows, None, ["calibrate"], ["full"], "ratio", 1.2)  # STRENGTH["ratio"]
     with pytest.raises(SystemExit, match="debias_strength=1.2"):
         B.check_settings(rows, None, ["calibrate"], ["full"], "ratio", 1.0)
+
+
+def test_plot_colours_by_method_and_styles_by_attention_mode(tmp_path):
+    em = {1: 0.5, 2: None, 3: 0.25}  # a missing cell is a gap, not an error
+    table = {f"{mode}/{method}": {"em_by_position": em} for mode in ("full", "block")
+             for method in ("none", "calibrate", "sort")}
+    styles = B.plot(table, [1, 2, 3], tmp_path / "p.png", 3)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert styles["full/calibrate"][0] == styles["block/calibrate"][0] != styles["full/sort"][0]
+    assert styles["full/none"][1] == styles["full/sort"][1] != styles["block/none"][1]
+    assert len(set(styles.values())) == len(table)
