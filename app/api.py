@@ -785,10 +785,12 @@ class LongDocQA:
         out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist(),
                 "reused_prefill_ms": reused}
         if ctx is not first and first.block_stats is not None and ctx.block_stats is not None:
-            # later builds find every block stored by the first: report the first's lookups and encoding
-            ctx.block_stats = replace(ctx.block_stats, kv_hits=first.block_stats.kv_hits,
-                                      kv_misses=first.block_stats.kv_misses,
-                                      encode_ms=first.block_stats.encode_ms + ctx.block_stats.encode_ms)
+            # later builds find every block stored by the first: report what the store held before this
+            # question (the first's lookups, reuse and computed tokens) and all the encoding
+            fs = first.block_stats
+            ctx.block_stats = replace(ctx.block_stats, kv_hits=fs.kv_hits, kv_misses=fs.kv_misses,
+                                      tokens_reused=fs.tokens_reused, tokens_computed=fs.tokens_computed,
+                                      encode_ms=fs.encode_ms + ctx.block_stats.encode_ms)
         return ctx, passages, out
 
 

@@ -298,8 +298,10 @@ def test_debiased_answer_reports_the_blocks_it_encoded(tiny_qa, method):
     cold = tiny_qa.answer(q, PASSAGES, attention="block", debias=method).timings
     assert cold["debias_passes"] >= 2  # the final context is a later build, or the check proves nothing
     assert cold["kv_misses"] == len(PASSAGES) and cold["kv_hits"] == 0 and cold["encode_ms"] > 0
+    assert cold["tokens_reused"] == 0  # no passage body came from the store
     warm = tiny_qa.answer(q, PASSAGES, attention="block", debias=method).timings
     assert warm["kv_misses"] == 0 and warm["kv_hits"] == len(PASSAGES)
+    assert warm["tokens_reused"] > 0 and warm["tokens_computed"] < cold["tokens_computed"]
 
 
 def test_sort_moves_the_most_attended_passage_last(tiny_qa):
