@@ -34,7 +34,8 @@ PREFILL_MEMO_BYTES = 256 << 20
 @dataclass
 class FileResult:
     """What happened to one input file: status "added" | "replaced" | "skipped" (same content already
-    stored) | "error" (reason says why; the store is unchanged for this file)."""
+    stored) | "error" (reason says why; the store is unchanged for this file). ms: this file's own time
+    (loading, chunking, its share of the batch's embedding by chunk count, storing), not the batch's."""
 
     path: str
     status: str
@@ -216,14 +217,15 @@ class LongDocQA:
     def _ingest_group(self, paths: list[Path]) -> list[FileResult]:
         """Load and chunk each file, embed the group's chunks in one batch, store each file in its own
         transaction. A failure in any step is that file's error result only."""
-        t0 = time.perf_counter()
         prepared, first_of, twins = [], {}, []  # twins: (FileResult, sha) of in-batch duplicates
         given = {}  # absolute path -> the path as the caller gave it (reports use the latter)
+        own_ms = {}  # absolute path -> ms spent loading and chunking that file
         for p in paths:
+            t0 = time.perf_counter()
             x = self._prepare(Path(p))
             if not isinstance(x, FileResult):
                 given[x[0].path] = str(p)
-            if not isinstance(x, FileResult):
+                own_ms[x[0].path] = _ms(t0)
                 sha = x[0].sha256
                 if sha in first_of:  # same bytes twice in one batch: the first one is stored
                     x = FileResult(str(p), "skipped", len(x[2]), None, f"same content as {first_of[sha]}",
@@ -234,26 +236,30 @@ class LongDocQA:
             prepared.append(x)
         todo = [x for x in prepared if not isinstance(x, FileResult)]
         texts = [c.text for _, _, chunks in todo for c in chunks]
+        t0 = time.perf_counter()
         try:
             vectors = self.embedder.encode(texts) if texts else None
         except Exception as e:  # embedding the batch failed: fall back to one file at a time
             log.warning("batch embedding failed (%s); embedding file by file", e)
             vectors = None
+        embed_ms_per_chunk = _ms(t0) / max(1, len(texts)) if vectors is not None else 0.0
         out, row = [], 0
         for x in prepared:
             if isinstance(x, FileResult):
                 out.append(x)
                 continue
             doc, old, chunks = x
+            t0 = time.perf_counter()
+            spent = lambda: own_ms[doc.path] + embed_ms_per_chunk * len(chunks) + _ms(t0)  # noqa: E731
             try:
                 vec = vectors[row:row + len(chunks)] if vectors is not None else \
                     self.embedder.encode([c.text for c in chunks])
                 doc_id = self.store.add_document(doc, chunks, vec)
                 out.append(FileResult(given[doc.path], "replaced" if old else "added", len(chunks), doc_id, "",
-                                      _ms(t0)))
+                                      spent()))
             except Exception as e:  # one bad file never stops the rest
                 log.exception("ingest failed for %s", doc.path)
-                out.append(FileResult(given[doc.path], "error", reason=f"{type(e).__name__}: {e}", ms=_ms(t0)))
+                out.append(FileResult(given[doc.path], "error", reason=f"{type(e).__name__}: {e}", ms=spent()))
             row += len(chunks)
         stored = {r.path: r.doc_id for r in out if r.status in ("added", "replaced")}
         for r, sha in twins:  # in-batch duplicates point at the stored copy

@@ -32,6 +32,7 @@ def test_ingest_dedup_and_replace(tiny_qa, tmp_path):
     docs = _copy_sample(tmp_path / "docs")
     r1 = tiny_qa.ingest([docs])
     assert [f.status for f in r1.files] == ["added"] * 4, r1.files
+    assert all(f.ms > 0 for f in r1.files) and sum(f.ms for f in r1.files) <= r1.ms  # each file's own time
     n_chunks = tiny_qa.store.n_chunks()
     assert n_chunks == r1.chunks > 4
     r2 = tiny_qa.ingest([docs])
