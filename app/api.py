@@ -249,17 +249,17 @@ class LongDocQA:
                 out.append(x)
                 continue
             doc, old, chunks = x
-            t0 = time.perf_counter()
-            spent = lambda: own_ms[doc.path] + embed_ms_per_chunk * len(chunks) + _ms(t0)  # noqa: E731
+            t0, before = time.perf_counter(), own_ms[doc.path] + embed_ms_per_chunk * len(chunks)
             try:
                 vec = vectors[row:row + len(chunks)] if vectors is not None else \
                     self.embedder.encode([c.text for c in chunks])
                 doc_id = self.store.add_document(doc, chunks, vec)
                 out.append(FileResult(given[doc.path], "replaced" if old else "added", len(chunks), doc_id, "",
-                                      spent()))
+                                      before + _ms(t0)))
             except Exception as e:  # one bad file never stops the rest
                 log.exception("ingest failed for %s", doc.path)
-                out.append(FileResult(given[doc.path], "error", reason=f"{type(e).__name__}: {e}", ms=spent()))
+                out.append(FileResult(given[doc.path], "error", reason=f"{type(e).__name__}: {e}",
+                                      ms=before + _ms(t0)))
             row += len(chunks)
         stored = {r.path: r.doc_id for r in out if r.status in ("added", "replaced")}
         for r, sha in twins:  # in-batch duplicates point at the stored copy
