@@ -83,7 +83,12 @@ def reencode_keys_(model, keys: torch.Tensor, delta: int) -> torch.Tensor:
     if delta == 0:
         return keys
     for layer in range(keys.shape[0]):
-        dispatch.rope_reencode_(keys[layer], delta, inv_freq=model.freqs_for(layer))  # (kvh, n, d)
+        if keys.dtype == torch.float32:
+            dispatch.rope_reencode_(keys[layer], delta, inv_freq=model.freqs_for(layer))  # (kvh, n, d)
+        else:  # a bf16/fp16 KV cache: rotate in fp32 and round once, as a fresh key is rounded once
+            k32 = keys[layer].float()  # (kvh, n, d)
+            dispatch.rope_reencode_(k32, delta, inv_freq=model.freqs_for(layer))
+            keys[layer].copy_(k32)
     return keys
 
 
@@ -142,7 +147,7 @@ class BlockRuntime:
         Returns keys, values (num_layers, kv_heads, n, head_dim) in the model dtype, private copies (safe
         to rotate in place). Updates `stats` (hits, misses, tokens reused/computed, encode_ms).
         """
-        dtype = self.model.lm_head.weight.dtype
+        dtype = self.model.kv_dtype
         key = None
         if self.kv_store is not None:
             from ldqa.indexes.kv_store import block_key
@@ -286,12 +291,16 @@ class BlockRuntime:
         return sorted(chosen)
 
     # ------------------------------------------------------------------ self-check
-    def self_check(self, n_tokens: int = 24, offset: int = 4096, atol: float = 2e-3) -> bool:
+    def self_check(self, n_tokens: int = 24, offset: int = 4096, atol: float | None = None) -> bool:
         """Numeric check that re-encoded keys equal keys computed at the target positions (all layers).
 
         Encodes a fixed token sequence at positions 0.. and at `offset`.., rotates the first by `offset`
-        and compares. On failure sets enabled=False with the reason (logged); returns enabled.
+        and compares: max abs error <= atol * max(1, largest key). atol: 2e-3 for an fp32 KV cache; for a
+        bf16 one, 2 units in the last place of bf16 (2 * 2^-7: both sides are rounded to bf16 once).
+        On failure sets enabled=False with the reason (logged); returns enabled.
         """
+        if atol is None:
+            atol = max(2e-3, 2 * torch.finfo(self.model.kv_dtype).eps)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, min(self.model.cfg.vocab_size, 20000), (1, n_tokens), generator=g)
         caches = []

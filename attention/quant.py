@@ -1,0 +1,273 @@
+"""Weight formats of ldqa's runtime: fp32 (the reference), bf16, int8 and int4 weight-only quantization.
+
+Only the weight matrices of the linear layers and the token embedding (tied to the LM head in Gemma 3
+and SmolLM2) are stored compactly; norms stay fp32, and the residual stream, RoPE, attention and the KV
+cache keep the dtype they have today (fp32 unless a bf16 KV cache is asked for), so Block-Attention's RoPE
+re-encoding stays exact. A quantized linear layer casts its input to bf16, runs PyTorch's packed
+weight-only matmul and returns the result in the input's dtype.
+
+- int8: symmetric, one scale per output channel (row): w[n, k] ~= q[n, k] * s[n], q in [-127, 127]
+  (LLM.int8-style weight-only absmax quantization; Dettmers et al. 2022, sec. 3.1 without outliers).
+  Matmul: aten `_weight_int8pack_mm` (x bf16 (M, K), q int8 (N, K), s bf16 (N,)).
+- int4: asymmetric, one (scale, min) pair per group of `group_size` consecutive input channels:
+  w[n, k] ~= (q[n, k] - 8) * scale[n, g] + zero[n, g] with zero = min + 8 * scale, q in [0, 15] (the
+  convention of gpt-fast's int4 weight-only path, which the aten op expects).
+  Matmul: aten `_weight_int4pack_mm_for_cpu` (CPU) / `_weight_int4pack_mm` (CUDA).
+
+Why these aten ops and not torchao: they are what gpt-fast builds on and what torchao's int4 CPU layout
+calls underneath, they ship inside the pinned torch wheel (nothing more to install), and a layer here is
+a few lines around one op call. torchao would add a dependency whose CPU layouts change between releases.
+
+Storage: `quantize_portable` gives the quantized values in a layout of ours (int4: two 4-bit values per
+byte, even input channel in the low nibble), which is what the weight cache stores; the op-specific
+packed layout is made from it at load time (it depends on the torch version and the CPU), so a cache
+written by one torch build is never fed to another's op unpacked wrongly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+DEFAULT_GROUP_SIZE = 64
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class WeightFormatError(ValueError):
+    """An unknown weight format, or one this machine's torch cannot run; the message says which to use."""
+
+
+def int4_supported(device: str | torch.device = "cpu") -> bool:
+    """Whether this torch build has the packed int4 matmul for `device` ("cpu" or "cuda")."""
+    name = "_weight_int4pack_mm" if torch.device(device).type == "cuda" else "_weight_int4pack_mm_for_cpu"
+    return hasattr(torch.ops.aten, name) and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+                                                    if name.endswith("_cpu") else "_convert_weight_to_int4pack")
+
+
+def int8_supported() -> bool:
+    """Whether this torch build has the packed int8 weight-only matmul."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def check_format(fmt: str, group_size: int = DEFAULT_GROUP_SIZE, device: str | torch.device = "cpu") -> str:
+    """Validate a weight format name (and int4's group size) for this machine; returns the name.
+
+    Raises WeightFormatError for an unknown name, a group size not in INT4_GROUP_SIZES, or a quantized
+    format whose aten op this torch build lacks (the message says to use bf16 or fp32).
+    """
+    if fmt not in WEIGHT_FORMATS:
+        raise WeightFormatError(f"unknown weight format {fmt!r}: use one of {', '.join(WEIGHT_FORMATS)}")
+    if fmt == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise WeightFormatError(f"int4 group size {group_size} is not supported: use one of "
+                                f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+    if fmt == "int4" and not int4_supported(device):
+        raise WeightFormatError(f"weights='int4' needs torch's packed int4 matmul, which torch {torch.__version__} "
+                                f"lacks on {torch.device(device).type}: use weights='int8', 'bf16' or 'fp32'")
+    if fmt == "int8" and not int8_supported():
+        raise WeightFormatError(f"weights='int8' needs torch's _weight_int8pack_mm, which torch "
+                                f"{torch.__version__} lacks: use weights='bf16' or 'fp32'")
+    return fmt
+
+
+# --------------------------------------------------------------------------- quantize / dequantize
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: w (N, K) float -> q (N, K) int8, scales (N,) float32 (values
+    representable in bf16, as the op uses them). w ~= q * scales[:, None]; an all-zero row gets scale 1."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)  # (N,)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    scales = scales.to(torch.bfloat16).float()  # the op multiplies by bf16 scales: quantize against those
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)  # (N, K)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """q (N, K) int8, scales (N,) -> w (N, K) in `dtype`."""
+    return q.to(dtype) * scales.to(dtype)[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4: w (N, K) float -> nibbles (N, K/2) uint8, scales (N, K/g), zeros (N, K/g)
+    float32 (bf16-representable, as the op reads them), with w ~= (q - 8) * scale + zero per group of
+    g = `group_size` input channels, q in [0, 15];
+    byte j of a row holds q[2j] in its low and q[2j+1] in its high nibble. Raises ValueError if K is not
+    a multiple of `group_size`."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    wg = w.float().reshape(n, k // group_size, group_size)  # (N, G, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)  # (N, G)
+    # the op reads bf16 scales and zeros: round them first and quantize against the rounded values
+    scales = ((hi - lo) / 15.0).clamp_(min=1e-6).to(torch.bfloat16).float()
+    zeros = (lo + 8.0 * scales).to(torch.bfloat16).float()
+    q = torch.round((wg - zeros[..., None]) / scales[..., None] + 8).clamp_(0, 15).to(torch.uint8)  # (N, G, g)
+    q = q.reshape(n, k)
+    nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # (N, K/2)
+    return nibbles.contiguous(), scales, zeros
+
+
+def unpack_int4(nibbles: torch.Tensor) -> torch.Tensor:
+    """nibbles (N, K/2) uint8 -> q (N, K) uint8 in [0, 15] (low nibble = even input channel)."""
+    return torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
+
+
+def dequantize_int4(nibbles, scales, zeros, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_int4`: (N, K/2) uint8, (N, G), (N, G) -> w (N, K) in `dtype`."""
+    n, groups = scales.shape
+    q = unpack_int4(nibbles).reshape(n, groups, -1).to(dtype)  # (N, G, g)
+    w = (q - 8) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]
+    return w.reshape(n, -1)
+
+
+def int4_fits(n: int, k: int, group_size: int) -> bool:
+    """Whether an (N, K) weight can use the packed int4 op (N a multiple of 16, K of the group size)."""
+    return n % 16 == 0 and k % group_size == 0 and k % 2 == 0
+
+
+# --------------------------------------------------------------------------- modules
+class QLinear(nn.Module):
+    """A linear layer y = x W^T + b whose W is stored in one of WEIGHT_FORMATS (weights only).
+
+    Build with `QLinear.from_float(w, b, fmt)` or `QLinear.from_portable(tensors, ...)`.
+    forward: x (..., in_features) float32/bf16 -> (..., out_features) in x's dtype. fp32 computes in fp32;
+    the other formats compute the matmul with bf16 activations (fp32 accumulation inside the op).
+    An int4 weight whose shape the op cannot take (N not a multiple of 16, K not of the group size) is
+    stored as int8 instead (`fmt` then says int8; a log line names the layer).
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, group_size: int = DEFAULT_GROUP_SIZE):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt, self.group_size = in_features, out_features, fmt, group_size
+        self.register_buffer("bias", None)
+
+    # -- construction
+    @classmethod
+    def from_float(cls, w: torch.Tensor, b: torch.Tensor | None, fmt: str, group_size: int = DEFAULT_GROUP_SIZE,
+                   name: str = "") -> "QLinear":
+        """Quantize a float weight w (N, K) (and bias (N,) or None) into format `fmt`."""
+        return cls.from_portable(quantize_portable(w, fmt, group_size, name), b, w.shape[1], w.shape[0])
+
+    @classmethod
+    def from_portable(cls, t: dict, b: torch.Tensor | None, in_features: int, out_features: int) -> "QLinear":
+        """From `quantize_portable` tensors (the weight cache's layout): packs them for this machine's op."""
+        fmt = _portable_format(t)
+        gs = int(t["group_size"]) if "group_size" in t else DEFAULT_GROUP_SIZE
+        m = cls(in_features, out_features, fmt, gs)
+        if fmt == "fp32":
+            m.register_buffer("weight", t["weight"].float().contiguous())
+        elif fmt == "bf16":
+            m.register_buffer("weight", t["weight"].to(torch.bfloat16).contiguous())
+        elif fmt == "int8":
+            m.register_buffer("qweight", t["qweight"].contiguous())  # (N, K) int8
+            m.register_buffer("scales", t["scales"].to(torch.bfloat16))  # (N,)
+        else:
+            q = unpack_int4(t["nibbles"]).to(torch.int32)  # (N, K)
+            m.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            sz = torch.stack([t["scales"], t["zeros"]], dim=-1)  # (N, G, 2)
+            m.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16))  # (G, N, 2)
+        if b is not None:
+            m.bias = b.float().contiguous()
+        return m
+
+    # -- compute
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (M, K)
+        if self.fmt == "fp32":
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.fmt == "bf16":
+            y = torch.nn.functional.linear(x2.to(torch.bfloat16), self.weight)
+        elif self.fmt == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed,
+                                                           self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        """The weight W (N, K) as this layer computes with it, in `dtype` (for tests and error reports)."""
+        if self.fmt in ("fp32", "bf16"):
+            return self.weight.to(dtype)
+        if self.fmt == "int8":
+            return dequantize_int8(self.qweight, self.scales.float(), dtype)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        wt = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_and_zeros)
+        return wt.t().to(dtype)
+
+    def extra_repr(self) -> str:
+        gs = f", group_size={self.group_size}" if self.fmt == "int4" else ""
+        return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}{gs}"
+
+
+class QEmbedding(nn.Module):
+    """Token embedding stored in a weight format: forward(tokens (b, n) int64) -> (b, n, dim) float32.
+
+    Rows are dequantized on lookup. Built from the same portable tensors as a tied LM head, so the
+    embedding and the head use the very same quantized values (int8 and fp32/bf16 share the storage;
+    int4 keeps its nibbles, since the op's packed layout cannot be read by row).
+    """
+
+    def __init__(self, t: dict, num_embeddings: int, dim: int):
+        super().__init__()
+        self.fmt = _portable_format(t)
+        self.num_embeddings, self.embedding_dim = num_embeddings, dim
+        for k, v in t.items():
+            if isinstance(v, torch.Tensor):
+                self.register_buffer(k, v)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        flat = tokens.reshape(-1)
+        if self.fmt in ("fp32", "bf16"):
+            rows = self.weight[flat].float()
+        elif self.fmt == "int8":
+            rows = dequantize_int8(self.qweight[flat], self.scales[flat].float())
+        else:
+            rows = dequantize_int4(self.nibbles[flat], self.scales[flat], self.zeros[flat])
+        return rows.reshape(*tokens.shape, self.embedding_dim)
+
+
+def _portable_format(t: dict) -> str:
+    if "nibbles" in t:
+        return "int4"
+    if "qweight" in t:
+        return "int8"
+    return "bf16" if t["weight"].dtype == torch.bfloat16 else "fp32"
+
+
+def quantize_portable(w: torch.Tensor, fmt: str, group_size: int = DEFAULT_GROUP_SIZE, name: str = "") -> dict:
+    """A float weight w (N, K) in format `fmt`, as portable tensors (the cache's layout):
+    fp32/bf16 {"weight"}; int8 {"qweight" (N, K) int8, "scales" (N,) f32}; int4 {"nibbles" (N, K/2) uint8,
+    "scales", "zeros" (N, K/g) f32, "group_size" 0-dim int}. An int4 weight the op cannot take is int8."""
+    check_format(fmt, group_size)
+    if fmt == "fp32":
+        return {"weight": w.float().contiguous()}
+    if fmt == "bf16":
+        return {"weight": w.to(torch.bfloat16).contiguous()}
+    if fmt == "int4" and not int4_fits(w.shape[0], w.shape[1], group_size):
+        log.info("%s %s: shape does not fit the int4 op (group size %d); stored as int8", name, tuple(w.shape),
+                 group_size)
+        fmt = "int8"
+    if fmt == "int8":
+        q, s = quantize_int8(w)
+        return {"qweight": q, "scales": s}
+    nib, s, z = quantize_int4(w, group_size)
+    return {"nibbles": nib, "scales": s, "zeros": z, "group_size": torch.tensor(group_size)}
+
+
+def model_nbytes(model: nn.Module) -> int:
+    """Bytes held by a model's parameters and buffers, each storage counted once (tied weights once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
