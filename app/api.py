@@ -140,23 +140,32 @@ class LongDocQA:
     index : "flat" (exact inner product, default) or "hnsw" (approximate, for large collections).
     max_new_tokens : answer length cap (tokens).
     kv_budget_mb : in-memory budget of the KV block store (MB); blocks also persist under <store>/kv.
+    weights : the LLM's weight format, "fp32" (reference), "bf16", "int8" or "int4" (weight-only
+        quantization, `ldqa.attention.quant`); None = $LDQA_WEIGHTS or `loader.DEFAULT_WEIGHTS`.
+    kv_dtype : "fp32" (default) or "bf16", the in-memory KV cache's dtype.
 
     Raises
     ------
     IndexMismatchError : the store was built with another embedding model.
     ModelLoadError, UnsupportedModelError : the model cannot be found or is not a supported family.
+    WeightFormatError : an unknown weight format, or one this torch build cannot run.
     """
 
     def __init__(self, store: str | Path | None = None, model: str | None = None, chunk_tokens: int = 256,
                  overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int = 64,
-                 kv_budget_mb: int = 512):
-        from ldqa.attention.loader import DEFAULT_MODEL, check_model_name
+                 kv_budget_mb: int = 512, weights: str | None = None, kv_dtype: str = "fp32"):
+        from ldqa.attention.loader import DEFAULT_MODEL, KV_DTYPES, check_model_name, default_weights
+        from ldqa.attention.quant import check_format
         from ldqa.indexes.store import Store, default_store_dir
         from ldqa.retrieval.chunking import ChunkConfig
         from ldqa.retrieval.embedders import Embedder
 
         self.model_name = model or DEFAULT_MODEL
         check_model_name(self.model_name)
+        self.weights = check_format(weights or default_weights())
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={kv_dtype!r} is not supported: use one of {', '.join(KV_DTYPES)}")
+        self.kv_dtype = kv_dtype
         self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
         self.embedder = Embedder()
         self.store = Store(Path(store) if store else default_store_dir(), self.embedder.name,
@@ -354,7 +363,7 @@ class LongDocQA:
     def llm(self):
         from ldqa.attention.loader import load_model
 
-        return load_model(self.model_name)
+        return load_model(self.model_name, weights=self.weights, kv_dtype=self.kv_dtype)
 
     @property
     def retriever(self):
@@ -483,7 +492,8 @@ class LongDocQA:
         return self._block_runtime
 
     def _answer_stream(self, question, passages, attention, max_new, ratio, retrieval_ms, settings, t0):
-        settings = {**settings, "attention": attention, "model": self.model_name}
+        settings = {**settings, "attention": attention, "model": self.model_name, "weights": self.weights,
+                    "kv_dtype": self.kv_dtype}
         rcfg = settings.pop("retrieval_config", None)
         if rcfg is not None:
             settings["retrieval"] = asdict(rcfg)

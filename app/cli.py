@@ -23,6 +23,9 @@ def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
     p.add_argument("--store", help=store_help or "collection directory (default: the user's data dir, ldqa/default)")
     p.add_argument("--model", default=None,
                    help="gemma3-270m (default), smollm2-135m, a .gguf file or a Hugging Face model directory")
+    p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4"], default=None,
+                   help="the LLM's weight format (default: $LDQA_WEIGHTS or ldqa's default; fp32 is the reference)")
+    p.add_argument("--kv-dtype", choices=["fp32", "bf16"], default="fp32", help="in-memory KV cache dtype")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 def _qa(args, **kw):
     from ldqa.app.api import LongDocQA
 
-    return LongDocQA(store=args.store, model=args.model, **kw)
+    return LongDocQA(store=args.store, model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, **kw)
 
 
 def cmd_ingest(args) -> int:

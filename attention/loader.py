@@ -175,8 +175,11 @@ def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int
 
 def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedModel:
     src = _source(name)
-    path = _ensure_weights(src, weights, group_size)
-    model = _build_model(src.cfg, path)
+    if src.kind == "hf" and weights in ("fp32", "bf16"):  # a dtype cast of the source: nothing to cache
+        model = _build_model(src.cfg, _convert(src, weights, group_size), src.path)
+    else:
+        path = _ensure_weights(src, weights, group_size)
+        model = _build_model(src.cfg, _read_cache(path), path)
     model.kv_dtype = KV_DTYPES[kv_dtype]
     model.weight_format = weights
     tok = Tokenizer(_auto_tokenizer(src.meta_dir), src.cfg.eos_token_ids)
@@ -298,10 +301,8 @@ def _ensure_weights(src: _Source, weights: str, group_size: int) -> Path:
         except Exception as e:  # truncated or corrupt: rebuild from the source
             log.warning("cached weights %s are unreadable (%s); rebuilding them from %s", path, e, src.path)
     log.warning("converting %s to %s weights (once; about a minute for Gemma 3 270M)", src.path.name, weights)
-    state = {}
-    for name, rows in _iter_source(src):
-        t = quantize_rows(rows, weights, group_size, name)
-        state.update({f"{name}::{k}": v.contiguous() for k, v in t.items()})
+    state = {f"{name}::{k}": v.contiguous() for name, t in _convert(src, weights, group_size).items()
+             for k, v in t.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     try:
@@ -310,6 +311,12 @@ def _ensure_weights(src: _Source, weights: str, group_size: int) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _convert(src: _Source, weights: str, group_size: int) -> dict[str, dict]:
+    """{parameter name: portable tensors} of every weight of `src` in format `weights`, read and
+    converted tensor by tensor."""
+    return {name: quantize_rows(rows, weights, group_size, name) for name, rows in _iter_source(src)}
 
 
 def quantize_rows(rows, weights: str, group_size: int, name: str) -> dict:
@@ -393,16 +400,13 @@ def _iter_gguf(src: _Source):
             for i in range(0, t.data.shape[0], step):
                 w = dequantize(t.data[i:i + step], t.tensor_type)
                 w = processor.process(weights=w, name=t.name).weights
-                yield torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+                yield torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
         yield name, rows
 
 
-def _build_model(cfg: ModelConfig, path: Path) -> Transformer:
-    """A Transformer whose linear layers and embedding are QLinear/QEmbedding in the cached format.
-    Reads the cache tensor by tensor. Raises ModelLoadError when it does not fit the config."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+def _read_cache(path: Path) -> dict[str, dict]:
+    """{parameter name: portable tensors} from a weight cache file. Raises ModelLoadError if unreadable."""
     groups: dict[str, dict] = {}
     try:
         with safe_open(str(path), "pt") as f:
@@ -413,6 +417,15 @@ def _build_model(cfg: ModelConfig, path: Path) -> Transformer:
                 groups.setdefault(name, {})[part] = f.get_tensor(key).clone()
     except Exception as e:
         raise ModelLoadError(f"cached weights {path} could not be read ({e}); delete the file to rebuild it") from e
+    return groups
+
+
+def _build_model(cfg: ModelConfig, groups: dict[str, dict], path: Path) -> Transformer:
+    """A Transformer whose linear layers and embedding are QLinear/QEmbedding built from `groups`
+    ({parameter name: portable tensors}, read from `path`). Raises ModelLoadError when they do not fit
+    the config."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
     biases = {n: g["weight"] for n, g in groups.items() if n.endswith(".bias")}
     plain = {}
     try:

@@ -99,6 +99,8 @@ class EvalConfig:
         depth) or of (length, depth) cells (niah); None = all.
     seed : seeds the example sample, the distractors and torch.
     model : LLM name or path (`LongDocQA`'s default when None).
+    weights : the LLM's weight format (`LongDocQA`'s default when None); part of the model fingerprint,
+        so each format's answers are cached apart.
     max_new_tokens : answer cap; None = the benchmark's default (`DEFAULT_MAX_NEW`).
     """
 
@@ -111,6 +113,7 @@ class EvalConfig:
     limit: int | None = None
     seed: int = 0
     model: str | None = None
+    weights: str | None = None
     max_new_tokens: int | None = None
     n_passages: int = 10
     gold_positions: str = "default"
@@ -450,7 +453,12 @@ class HFReference:
         from transformers import AutoModelForCausalLM
 
         self.llm = llm
-        self.model = AutoModelForCausalLM.from_pretrained(llm.hf_dir, dtype=torch.float32).eval()
+        src = Path(llm.source)
+        if src.suffix == ".gguf":  # transformers' own GGUF loader (ours reads it tensor by tensor)
+            self.model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                              dtype=torch.float32).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
 
     def answer(self, question: str, passages: list, max_new_tokens: int, instruction: str | None = None,
                answer_prefix: str = "") -> tuple[str, dict]:
@@ -611,7 +619,7 @@ def run(cfg: EvalConfig) -> dict:
         store = out / f"corpus-{hashlib.sha256(str(Path(cfg.data).resolve()).encode()).hexdigest()[:10]}" / "store"
     else:
         store = out / "store"
-    qa = LongDocQA(store=store, model=cfg.model, max_new_tokens=max_new)
+    qa = LongDocQA(store=store, model=cfg.model, max_new_tokens=max_new, weights=cfg.weights)
     config = settings_hash(cfg, qa.llm.fingerprint, max_new)
     examples = BUILDERS[cfg.benchmark](cfg, qa)
     cache = PredictionCache(out / "predictions.sqlite")
@@ -647,7 +655,7 @@ def run(cfg: EvalConfig) -> dict:
         cache.close()
     ordered = [rows[(ex["id"], m)] for ex in examples for m in modes]
     result = {"benchmark": cfg.benchmark, "metric": METRIC[cfg.benchmark], "model": qa.model_name,
-              "settings": asdict(cfg) | {"max_new_tokens": max_new, "settings_hash": config},
+              "settings": asdict(cfg) | {"max_new_tokens": max_new, "settings_hash": config, "weights": qa.weights},
               "modes": [summarize([r for r in ordered if r["mode"] == m.label], cfg.benchmark) | {"mode": m.label}
                         for m in modes],
               "computed": len(todo), "cached": n_cached, "rows": ordered}
@@ -801,6 +809,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="output directory (default out/eval-BENCHMARK)")
     p.add_argument("--model", default=None,
                    help="gemma3-270m (default), smollm2-135m, a .gguf file or a Hugging Face model directory")
+    p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4"], default=None,
+                   help="the LLM's weight format (default: ldqa's default)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap (default: per benchmark)")
     p.add_argument("--n-passages", type=int, default=10, help="nq-multidoc: passages per question")
     p.add_argument("--gold-positions", default="default",
