@@ -1,0 +1,31 @@
+"""bench_runtime on a tiny model without llama.cpp: rows, ratios against fp32, the JSON and table."""
+
+from __future__ import annotations
+
+import json
+
+from ldqa.eval import bench_runtime
+
+
+def test_bench_runtime_rows_and_ratios(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "cache"))
+    d = str(tiny_model_dir("llama"))
+    out = tmp_path / "out"
+    assert bench_runtime.main(["--model", d, "--formats", "fp32,int8", "--threads", "1", "--lengths", "48",
+                               "--new-tokens", "4", "--repeats", "2", "--no-llama", "--out", str(out)]) == 0
+    res = json.loads((out / "bench-runtime.json").read_text())
+    rows = {r["engine"]: r for r in res["rows"]}
+    assert set(rows) == {"ldqa fp32", "ldqa int8"}
+    fp32, int8 = rows["ldqa fp32"], rows["ldqa int8"]
+    assert fp32["decode_vs_ldqa fp32"] == 1.0 and "decode_vs_llama.cpp" not in fp32
+    assert int8["resident_bytes"] < fp32["resident_bytes"] and int8["bytes_per_token"] < fp32["bytes_per_token"]
+    assert len(fp32["tokens"]) == 4 and fp32["same_tokens_as_first"] == 4
+    assert fp32["bandwidth_limit_tok_s"] > 0 and fp32["ttft_ms"] > 0
+    assert "| 48 | 1 | ldqa int8 |" in (out / "bench-runtime.md").read_text()
+
+
+def test_prompt_ids_have_the_asked_length(small_tokenizer):
+    for n in (64, 3000):
+        ids = bench_runtime.prompt_ids(small_tokenizer, n)
+        assert len(ids) == n and ids[0] == small_tokenizer.bos_id
+        assert small_tokenizer.decode(ids[-12:]).strip().endswith("Answer:")
