@@ -107,6 +107,7 @@ class BlockRuntime:
     kv_store: object = None
     enabled: bool = True
     disabled_reason: str = ""
+    check_error: float | None = None  # the self-check's measured error (see `self_check`)
     _prefix: dict = field(default_factory=dict, repr=False)
     _headers: dict = field(default_factory=dict, repr=False)
 
@@ -295,12 +296,17 @@ class BlockRuntime:
         """Numeric check that re-encoded keys equal keys computed at the target positions (all layers).
 
         Encodes a fixed token sequence at positions 0.. and at `offset`.., rotates the first by `offset`
-        and compares: max abs error <= atol * max(1, largest key). atol: 2e-3 for an fp32 KV cache; for a
-        bf16 one, 2 units in the last place of bf16 (2 * 2^-7: both sides are rounded to bf16 once).
-        On failure sets enabled=False with the reason (logged); returns enabled.
+        and compares: max abs error <= atol * max(1, largest key); `check_error` keeps the measured
+        error / max(1, largest key). atol: 2e-3 with fp32 weights and an fp32 KV cache; otherwise 4 units
+        in the last place of bf16 (4 * 2^-7 = 0.031): a bf16 cache rounds both sides, and quantized or bf16
+        weights take bf16 activations into their matmuls, so the two encodings' hidden states already
+        differ by bf16 rounding below the keys (measured up to 0.022 on tiny Gemma 3 in int4, fp32 cache).
+        A wrong rotation errs by O(1). On failure sets enabled=False with the reason (logged); returns
+        enabled.
         """
         if atol is None:
-            atol = max(2e-3, 2 * torch.finfo(self.model.kv_dtype).eps)
+            exact = self.model.kv_dtype == torch.float32 and getattr(self.model, "weight_format", "fp32") == "fp32"
+            atol = 2e-3 if exact else 4 * torch.finfo(torch.bfloat16).eps
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, min(self.model.cfg.vocab_size, 20000), (1, n_tokens), generator=g)
         caches = []
@@ -311,6 +317,7 @@ class BlockRuntime:
         moved = reencode_keys_(self.model, caches[0].clone(), offset)
         err = (moved - caches[1]).abs().max().item()
         scale = caches[1].abs().max().item()
+        self.check_error = err / max(1.0, scale)
         if not err <= atol * max(1.0, scale):
             self.enabled = False
             self.disabled_reason = (f"RoPE re-encoding self-check failed (max abs error {err:.2e} at offset "

@@ -69,8 +69,8 @@ class KVCache:
         blocks, CacheBlend-style selective recomputation). Returns the layer's valid keys, values and
         positions, like `write`. Positions are not changed.
         """
-        self._k[layer][:, :, slots] = k
-        self._v[layer][:, :, slots] = v
+        self._k[layer][:, :, slots] = k.to(self._k[layer].dtype)  # the cache's dtype (fp32 or bf16)
+        self._v[layer][:, :, slots] = v.to(self._v[layer].dtype)
         return self.keys(layer), self.values(layer), self.positions
 
     def extend(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:

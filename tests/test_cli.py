@@ -42,9 +42,11 @@ def test_cli_ingest_then_ask_json(tmp_path, tiny_model_dir):
 
     r = _ldqa("ask", "What torque for the fan hub bolts?", "--store", store, "--model", model, "--top-k", "2",
               "--max-new-tokens", "2", "--attention", "block", "--debias", "calibrate", "--debias-orders", "1",
-              "--debias-calibration", "ratio", "--debias-strength", "0.5", "--json")
+              "--debias-calibration", "ratio", "--debias-strength", "0.5", "--weights", "int8", "--kv-dtype", "bf16",
+              "--json")
     assert r.returncode == 0, r.stderr
     ans = json.loads(r.stdout)
+    assert ans["settings"]["weights"] == "int8" and ans["settings"]["kv_dtype"] == "bf16"
     assert ans["settings"]["debias_orders"] == 1 and ans["timings"]["debias_passes"] == 1
     assert ans["settings"]["debias_calibration"] == "ratio" and ans["settings"]["debias_strength"] == 0.5
 

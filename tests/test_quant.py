@@ -200,3 +200,22 @@ def test_truncated_or_stale_cache_is_rebuilt(tiny_model_dir, monkeypatch):
     load_model(d, weights="int8")
     assert path.stat().st_mtime_ns != mtime
     loader._LOADED.clear()
+
+
+@pytest.mark.parametrize("weights,kv_dtype", [("int8", "bf16"), ("int4", "fp32")])
+def test_every_attention_mode_answers_with_compact_weights_and_cache(tmp_path, tiny_model_dir, weights, kv_dtype):
+    from pathlib import Path
+
+    from ldqa.app.api import LongDocQA
+
+    qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=4,
+                   weights=weights, kv_dtype=kv_dtype)
+    qa.ingest(Path(__file__).resolve().parents[1] / "app" / "sample" / "docs")
+    for attention, debias in (("full", "none"), ("block", "none"), ("block+recompute", "none"),
+                              ("retrieval", "none"), ("block", "calibrate+reorder"), ("full", "sort")):
+        ans = qa.ask("What torque for the fan hub bolts?", top_k=3, attention=attention, debias=debias)
+        assert ans.settings["weights"] == weights and ans.settings["kv_dtype"] == kv_dtype
+        assert ans.settings.get("attention_used", attention) == attention, ans.settings.get("fallback_reason")
+        assert ans.timings["generated_tokens"] >= 0
+    with pytest.raises(WeightFormatError, match="unknown weight format"):
+        LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), weights="q4_k")
