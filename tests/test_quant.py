@@ -66,13 +66,14 @@ def test_int4_round_trip_error_is_half_a_step(group):
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
-def test_qlinear_computes_with_its_quantized_weight(fmt):
+@pytest.mark.parametrize("rows", [5, 40])  # 3 x 40 rows: int8 takes its dequantize + bf16 GEMM path
+def test_qlinear_computes_with_its_quantized_weight(fmt, rows):
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(64, 128, generator=g), torch.randn(64, generator=g)
-    x = torch.randn(3, 5, 128, generator=g)
+    x = torch.randn(3, rows, 128, generator=g)
     lin = QLinear.from_float(w, b, fmt, group_size=32)
     y = lin(x)
-    assert y.shape == (3, 5, 64) and y.dtype == torch.float32
+    assert y.shape == (3, rows, 64) and y.dtype == torch.float32
     t = quantize_portable(w, fmt, 32)
     deq = {"fp32": lambda: t["weight"], "bf16": lambda: t["weight"].float(),
            "int8": lambda: dequantize_int8(t["qweight"], t["scales"]),

@@ -1,0 +1,58 @@
+"""Paired comparison of `ldqa eval` runs that differ only in the weight format.
+
+    python -m ldqa.eval.compare_weights out/eval-weights-fp32 out/eval-weights-int8 [out/eval-weights-int4 ...]
+
+The first directory is the reference. For each other run: the examples both runs answered (same
+`example_id`), the mean score of each, the paired difference (points) with its standard error, how many
+predictions are word for word the reference's, and the median TTFT and decode tokens/s of each.
+Reads each run's `results.csv` (written by `ldqa eval`).
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+
+def _rows(d: Path) -> dict[str, dict]:
+    with open(d / "results.csv", newline="") as f:
+        return {r["example_id"]: r for r in csv.DictReader(f)}
+
+
+def compare(ref_dir: Path, other_dir: Path) -> dict:
+    """Paired statistics of `other_dir`'s run against `ref_dir`'s (see the module docstring)."""
+    a, b = _rows(ref_dir), _rows(other_dir)
+    ids = sorted(set(a) & set(b))
+    if len(ids) < 2:
+        raise ValueError(f"{ref_dir} and {other_dir} share {len(ids)} examples; at least 2 are needed")
+    d = [float(b[i]["score"]) - float(a[i]["score"]) for i in ids]
+    med = lambda rows, k: statistics.median(float(rows[i][k]) for i in ids)  # noqa: E731
+    return {"run": str(other_dir), "n": len(ids), "ref_score": statistics.fmean(float(a[i]["score"]) for i in ids),
+            "score": statistics.fmean(float(b[i]["score"]) for i in ids),
+            "diff_points": 100 * statistics.fmean(d), "se_points": 100 * statistics.stdev(d) / len(d) ** 0.5,
+            "identical_predictions": sum(a[i]["prediction"].strip() == b[i]["prediction"].strip() for i in ids),
+            "ref_ttft_ms": med(a, "ttft_ms"), "ttft_ms": med(b, "ttft_ms"),
+            "ref_tokens_per_s": med(a, "tokens_per_s"), "tokens_per_s": med(b, "tokens_per_s")}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    ref = Path(argv[0])
+    print(f"reference: {ref}")
+    print("| run | n | reference EM | EM | paired diff (points) | SE | identical | TTFT ms ref -> run | tok/s ref -> run |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for o in argv[1:]:
+        c = compare(ref, Path(o))
+        print(f"| {o} | {c['n']} | {c['ref_score']:.3f} | {c['score']:.3f} | {c['diff_points']:+.1f} | "
+              f"{c['se_points']:.1f} | {c['identical_predictions']}/{c['n']} | {c['ref_ttft_ms']:.0f} -> "
+              f"{c['ttft_ms']:.0f} | {c['ref_tokens_per_s']:.1f} -> {c['tokens_per_s']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
