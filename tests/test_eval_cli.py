@@ -156,7 +156,7 @@ def test_nq_multidoc_with_hf_reference(tmp_path, tiny_model_dir, nq_small):
     model = tiny_model_dir("gemma3")
     out = tmp_path / "nq"
     res = _eval("nq-multidoc", nq_small, out, model, "--modes", "full,block,hf", "--n-passages", "3",
-                "--gold-positions", "1,3")
+                "--gold-positions", "1,3", "--weights", "fp32")  # hf parity: ldqa's fp32 reference weights
     _check_outputs(res, out, 2 * 2 * 3, plots=("ttft_vs_length.png", "accuracy_vs_position.png"))
     assert [m["mode"] for m in res["modes"]] == ["full", "block", "hf"]
     assert set(res["modes"][0]["by_position"]) == {"1", "3"}
@@ -216,7 +216,7 @@ def test_kv_retrieval_hf_reference_gets_the_same_prompt(tmp_path, tiny_model_dir
     model = tiny_model_dir("gemma3")
     out = tmp_path / "kv-hf"
     res = _eval("kv-retrieval", shared_data / "kv-retrieval-75_keys.jsonl.gz", out, model, "--kv-keys", "4",
-                "--depths", "50", "--limit", "1", "--modes", "full,hf")
+                "--depths", "50", "--limit", "1", "--modes", "full,hf", "--weights", "fp32")
     full, hf = res["rows"]
     assert (full["mode"], hf["mode"]) == ("full", "hf")
     assert hf["prompt_tokens"] == full["prompt_tokens"] and hf["prediction"] == full["prediction"]
@@ -288,7 +288,7 @@ def test_every_benchmark_end_to_end_with_the_real_model(tmp_path, nq_small, shar
     applies: transformers' generate on the same prompt must give the same greedy answers."""
     model = "gemma3-270m"
     res = _eval("nq-multidoc", nq_small, tmp_path / "nq", model, "--modes", "full,block,hf", "--n-passages", "3",
-                "--gold-positions", "1,3", "--max-new-tokens", "12")
+                "--gold-positions", "1,3", "--max-new-tokens", "12", "--weights", "fp32")
     _check_outputs(res, tmp_path / "nq", 2 * 2 * 3, plots=("ttft_vs_length.png", "accuracy_vs_position.png"),
                    max_new=12)
     rows = {(r["example_id"], r["mode"]): r for r in res["rows"]}
@@ -298,7 +298,8 @@ def test_every_benchmark_end_to_end_with_the_real_model(tmp_path, nq_small, shar
 
     # 4 key-value pairs: the model copies the queried value (the answer prefix starts it off)
     res = _eval("kv-retrieval", shared_data / "kv-retrieval-75_keys.jsonl.gz", tmp_path / "kv", model,
-                "--kv-keys", "4", "--depths", "0", "--modes", "full,hf", "--max-new-tokens", "48", "--limit", "1")
+                "--kv-keys", "4", "--depths", "0", "--modes", "full,hf", "--max-new-tokens", "48", "--limit", "1",
+                "--weights", "fp32")
     by_mode = {r["mode"]: r for r in res["rows"]}
     full, hf = by_mode["full"], by_mode["hf"]
     assert full["score"] == 1.0 and hf["prediction"] == full["prediction"]
