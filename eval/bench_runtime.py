@@ -302,13 +302,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/bench-runtime")
     args = ap.parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-runtime.json").write_text(json.dumps(result, indent=1))
-    md = table(result)
-    (out / "bench-runtime.md").write_text(md)
-    print(md)
+    write_report(Path(args.out), "bench-runtime", result, table(result))
     return 0
+
+
+def write_report(out: Path, stem: str, data, md: str) -> None:
+    """Write `<out>/<stem>.json` (data) and `<out>/<stem>.md` (md), and print md."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{stem}.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 from ldqa.attention.block_attention import BlockRuntime
 from ldqa.attention.generate import SamplingConfig, start_generation
 from ldqa.attention.loader import load_model
+from ldqa.eval.bench_runtime import write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -111,12 +112,7 @@ def main(argv=None) -> int:
     rows = []
     for m in args.models.split(","):
         rows += measure(m, formats, args.n)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quant-accuracy.json").write_text(json.dumps(rows, indent=1))
-    md = table(rows)
-    (out / "quant-accuracy.md").write_text(md)
-    print(md)
+    write_report(Path(args.out), "quant-accuracy", rows, table(rows))
     return 0
 
 
