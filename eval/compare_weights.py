@@ -1,8 +1,9 @@
 """Paired comparison of `ldqa eval` runs that differ only in the weight format.
 
-    python -m ldqa.eval.compare_weights out/eval-weights-fp32 out/eval-weights-int8 [out/eval-weights-int4 ...]
+    python -m ldqa.eval.compare_weights [--mode full] out/eval-weights-fp32 out/eval-weights-int8 [...]
 
-The first directory is the reference. For each other run: the examples both runs answered (same
+The first directory is the reference; rows of the eval mode `full` are compared (`--mode M` first to
+pick another). For each other run: the examples both runs answered (same
 `example_id`), the mean score of each, the paired difference (points) with its standard error, how many
 predictions are word for word the reference's, and the median TTFT and decode tokens/s of each.
 Reads each run's `results.csv` (written by `ldqa eval`).
@@ -16,14 +17,15 @@ import sys
 from pathlib import Path
 
 
-def _rows(d: Path) -> dict[str, dict]:
+def _rows(d: Path, mode: str) -> dict[str, dict]:
     with open(d / "results.csv", newline="") as f:
-        return {r["example_id"]: r for r in csv.DictReader(f)}
+        return {r["example_id"]: r for r in csv.DictReader(f) if r["mode"] == mode}
 
 
-def compare(ref_dir: Path, other_dir: Path) -> dict:
-    """Paired statistics of `other_dir`'s run against `ref_dir`'s (see the module docstring)."""
-    a, b = _rows(ref_dir), _rows(other_dir)
+def compare(ref_dir: Path, other_dir: Path, mode: str = "full") -> dict:
+    """Paired statistics of `other_dir`'s run against `ref_dir`'s, both in eval mode `mode` (see the
+    module docstring). Raises ValueError when they share fewer than 2 examples."""
+    a, b = _rows(ref_dir, mode), _rows(other_dir, mode)
     ids = sorted(set(a) & set(b))
     if len(ids) < 2:
         raise ValueError(f"{ref_dir} and {other_dir} share {len(ids)} examples; at least 2 are needed")
@@ -39,6 +41,9 @@ def compare(ref_dir: Path, other_dir: Path) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    mode = "full"
+    if argv[:1] == ["--mode"] and len(argv) > 1:
+        mode, argv = argv[1], argv[2:]
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
@@ -47,7 +52,7 @@ def main(argv=None) -> int:
     print("| run | n | reference EM | EM | paired diff (points) | SE | identical | TTFT ms ref -> run | tok/s ref -> run |")
     print("|---|---|---|---|---|---|---|---|---|")
     for o in argv[1:]:
-        c = compare(ref, Path(o))
+        c = compare(ref, Path(o), mode)
         print(f"| {o} | {c['n']} | {c['ref_score']:.3f} | {c['score']:.3f} | {c['diff_points']:+.1f} | "
               f"{c['se_points']:.1f} | {c['identical_predictions']}/{c['n']} | {c['ref_ttft_ms']:.0f} -> "
               f"{c['ttft_ms']:.0f} | {c['ref_tokens_per_s']:.1f} -> {c['tokens_per_s']:.1f} |")

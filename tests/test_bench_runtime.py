@@ -29,3 +29,22 @@ def test_prompt_ids_have_the_asked_length(small_tokenizer):
         ids = bench_runtime.prompt_ids(small_tokenizer, n)
         assert len(ids) == n and ids[0] == small_tokenizer.bos_id
         assert small_tokenizer.decode(ids[-12:]).strip().endswith("Answer:")
+
+
+def test_compare_weights_pairs_examples_of_one_mode(tmp_path):
+    from ldqa.eval.compare_weights import compare
+
+    head = "mode,example_id,prediction,score,ttft_ms,tokens_per_s\n"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "results.csv").write_text(head + "full,q1,x,1,10,5\nfull,q2,y,0,10,5\nfull,q3,z,1,10,5\n"
+                                                "block,q1,x,0,1,5\n")
+    (tmp_path / "b" / "results.csv").write_text(head + "full,q1,x,1,5,9\nfull,q2,w,1,5,9\nfull,q4,v,1,5,9\n"
+                                                "block,q1,x,1,1,5\n")
+    c = compare(tmp_path / "a", tmp_path / "b")
+    assert c["n"] == 2 and c["identical_predictions"] == 1  # q1, q2 shared; q3, q4 are not
+    assert c["diff_points"] == 50.0 and c["ref_score"] == 0.5 and c["score"] == 1.0
+    import pytest
+
+    with pytest.raises(ValueError, match="share 1 examples"):
+        compare(tmp_path / "a", tmp_path / "b", "block")
