@@ -32,7 +32,8 @@ from safetensors.torch import save_file
 
 from ldqa.attention.config import ModelConfig, UnsupportedModelError
 from ldqa.attention.model import Transformer
-from ldqa.attention.quant import DEFAULT_GROUP_SIZE, QEmbedding, QLinear, check_format, quantize_portable
+from ldqa.attention.quant import (DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QEmbedding, QLinear, WeightFormatError,
+                                  check_format, quantize_portable)
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,13 @@ _LOADED: dict[tuple, LoadedModel] = {}
 
 
 def default_weights() -> str:
-    """The weight format used when none is asked for: $LDQA_WEIGHTS, else DEFAULT_WEIGHTS."""
-    return os.environ.get("LDQA_WEIGHTS") or DEFAULT_WEIGHTS
+    """The weight format used when none is asked for: $LDQA_WEIGHTS, else DEFAULT_WEIGHTS.
+    Raises WeightFormatError naming the variable when it holds no format name."""
+    env = os.environ.get("LDQA_WEIGHTS")
+    if env and env not in WEIGHT_FORMATS:
+        raise WeightFormatError(f"$LDQA_WEIGHTS={env!r} is not a weight format: set it to one of "
+                                f"{', '.join(WEIGHT_FORMATS)} or unset it")
+    return env or DEFAULT_WEIGHTS
 
 
 def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int = DEFAULT_GROUP_SIZE,

@@ -111,6 +111,16 @@ def test_unknown_format_and_group_size_are_refused_by_name():
         load_model("gemma3-270m", kv_dtype="fp8")
 
 
+def test_weights_env_variable(monkeypatch):
+    monkeypatch.setenv("LDQA_WEIGHTS", "bf16")
+    assert loader.default_weights() == "bf16"
+    monkeypatch.setenv("LDQA_WEIGHTS", "q8")
+    with pytest.raises(WeightFormatError, match=r"\$LDQA_WEIGHTS='q8'"):
+        loader.default_weights()
+    monkeypatch.delenv("LDQA_WEIGHTS")
+    assert loader.default_weights() == loader.DEFAULT_WEIGHTS == "int8"
+
+
 def test_int4_without_the_op_is_refused(monkeypatch):
     monkeypatch.setattr("ldqa.attention.quant.int4_supported", lambda device="cpu": False)
     with pytest.raises(WeightFormatError, match="int4.*use weights='int8'"):
