@@ -19,7 +19,9 @@ no implementation can pass. Ratios against llama.cpp and against ldqa fp32 are p
 everything else to `<out>/bench-runtime.json`.
 
 The prompt: the bundled sample's documents (repeated to reach the length) with a question about the fan
-hub bolts, BOS first; the same ids for every engine. Greedy texts are compared across engines.
+hub bolts, BOS first; the same ids for every engine. Greedy texts are compared across engines: "same
+tokens" counts the greedy tokens equal to the first engine's (the first `--formats` entry; fp32 by
+default), position by position.
 
 `--shape-check`: a random-weight model with Llama-3.2-1B's shapes (1.24B parameters) is built in int8
 and int4, tensor by tensor (never whole in fp32), and decodes a few tokens; its resident size is reported.
@@ -291,12 +293,13 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench_runtime", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m", help="a packaged model name or a .gguf file")
-    ap.add_argument("--formats", default="fp32,bf16,int8,int4")
+    ap.add_argument("--formats", default="fp32,bf16,int8,int4",
+                    help="ldqa weight formats, comma-separated; the first is the reference of 'same tokens'")
     ap.add_argument("--group-size", type=int, default=64, help="int4 group size")
-    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--threads", default="1,2", help="torch / llama.cpp thread counts, comma-separated")
     ap.add_argument("--lengths", default="1416,8192", help="prompt lengths in tokens")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens decoded per run")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the table gives medians")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     ap.add_argument("--shape-check", action="store_true", help="also build a Llama-3.2-1B-shaped model in int8/int4")
     ap.add_argument("--out", default="out/bench-runtime")
