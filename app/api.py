@@ -154,7 +154,7 @@ class LongDocQA:
     def __init__(self, store: str | Path | None = None, model: str | None = None, chunk_tokens: int = 256,
                  overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int = 64,
                  kv_budget_mb: int = 512, weights: str | None = None, kv_dtype: str = "fp32"):
-        from ldqa.attention.loader import DEFAULT_MODEL, KV_DTYPES, check_model_name, default_weights
+        from ldqa.attention.loader import DEFAULT_MODEL, check_kv_dtype, check_model_name, default_weights
         from ldqa.attention.quant import check_format
         from ldqa.indexes.store import Store, default_store_dir
         from ldqa.retrieval.chunking import ChunkConfig
@@ -163,9 +163,7 @@ class LongDocQA:
         self.model_name = model or DEFAULT_MODEL
         check_model_name(self.model_name)
         self.weights = check_format(weights or default_weights())
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype={kv_dtype!r} is not supported: use one of {', '.join(KV_DTYPES)}")
-        self.kv_dtype = kv_dtype
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
         self.embedder = Embedder()
         self.store = Store(Path(store) if store else default_store_dir(), self.embedder.name,

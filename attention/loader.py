@@ -147,6 +147,13 @@ _LOCK = threading.Lock()
 _LOADED: dict[tuple, LoadedModel] = {}
 
 
+def check_kv_dtype(kv_dtype: str) -> str:
+    """Validate a KV cache dtype name ("fp32" or "bf16"); returns it. Raises ValueError naming it."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+    return kv_dtype
+
+
 def default_weights() -> str:
     """The weight format used when none is asked for: $LDQA_WEIGHTS, else DEFAULT_WEIGHTS.
     Raises WeightFormatError naming the variable when it holds no format name."""
@@ -169,8 +176,7 @@ def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int
     (unknown format, or one this torch build cannot run).
     """
     check_format(weights, group_size)
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown kv_dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+    check_kv_dtype(kv_dtype)
     gs = group_size if weights == "int4" else DEFAULT_GROUP_SIZE
     key = (name, weights, gs, kv_dtype)
     with _LOCK:

@@ -48,9 +48,9 @@ class WeightFormatError(ValueError):
 
 def int4_supported(device: str | torch.device = "cpu") -> bool:
     """Whether this torch build has the packed int4 matmul for `device` ("cpu" or "cuda")."""
-    name = "_weight_int4pack_mm" if torch.device(device).type == "cuda" else "_weight_int4pack_mm_for_cpu"
-    return hasattr(torch.ops.aten, name) and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
-                                                    if name.endswith("_cpu") else "_convert_weight_to_int4pack")
+    suffix = "" if torch.device(device).type == "cuda" else "_for_cpu"
+    ops = (f"_weight_int4pack_mm{suffix}", f"_convert_weight_to_int4pack{suffix}")
+    return all(hasattr(torch.ops.aten, op) for op in ops)
 
 
 def int8_supported() -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ldqa.eval import bench_runtime
 
 
@@ -44,7 +46,5 @@ def test_compare_weights_pairs_examples_of_one_mode(tmp_path):
     c = compare(tmp_path / "a", tmp_path / "b")
     assert c["n"] == 2 and c["identical_predictions"] == 1  # q1, q2 shared; q3, q4 are not
     assert c["diff_points"] == 50.0 and c["ref_score"] == 0.5 and c["score"] == 1.0
-    import pytest
-
     with pytest.raises(ValueError, match="share 1 examples"):
         compare(tmp_path / "a", tmp_path / "b", "block")
