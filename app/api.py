@@ -35,7 +35,9 @@ PREFILL_MEMO_BYTES = 256 << 20
 class FileResult:
     """What happened to one input file: status "added" | "replaced" | "skipped" (same content already
     stored) | "error" (reason says why; the store is unchanged for this file). ms: this file's own time
-    (loading, chunking, its share of the batch's embedding by chunk count, storing), not the batch's."""
+    (loading, chunking, its share of the batch's embedding by chunk count, storing), not the batch's.
+    warnings: what the loader could not read faithfully (e.g. glyphs without a Unicode mapping) in a
+    file that was stored anyway."""
 
     path: str
     status: str
@@ -43,6 +45,7 @@ class FileResult:
     doc_id: int | None = None
     reason: str = ""
     ms: float = 0.0
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -219,6 +222,9 @@ class LongDocQA:
         report.ms = (time.perf_counter() - t0) * 1000
         for f in report.errors:
             print(f"ldqa: {f.path}: {f.reason}", file=sys.stderr)
+        for f in report.files:
+            for w in f.warnings:
+                log.warning("%s: %s", f.path, w)
         return report
 
     def _ingest_group(self, paths: list[Path]) -> list[FileResult]:
@@ -262,7 +268,7 @@ class LongDocQA:
                     self.embedder.encode([c.text for c in chunks])
                 doc_id = self.store.add_document(doc, chunks, vec)
                 out.append(FileResult(given[doc.path], "replaced" if old else "added", len(chunks), doc_id, "",
-                                      before + _ms(t0)))
+                                      before + _ms(t0), list(doc.meta.get("warnings", []))))
             except Exception as e:  # one bad file never stops the rest
                 log.exception("ingest failed for %s", doc.path)
                 out.append(FileResult(given[doc.path], "error", reason=f"{type(e).__name__}: {e}",

@@ -141,6 +141,8 @@ class Server:
         detail = r.reason if r.status in ("error", "skipped") else f"{r.ms / 1000:.1f} s"
         if r.status == "skipped":
             detail = "duplicate: " + detail.replace(str(self.uploads) + "/", "")
+        if r.warnings:
+            detail += "; warning: " + " ".join(r.warnings)
         return [src.name, r.status, r.chunks, detail]
 
     def delete(self, doc_id):

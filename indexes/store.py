@@ -13,7 +13,10 @@ that is missing or unreadable, is rebuilt from the BLOBs.  Stray ``.tmp-*`` file
 write are ignored.
 
 BM25 is SQLite FTS5's ``bm25()`` (Robertson & Zaragoza's Okapi BM25, k1 = 1.2, b = 0.75) over a
-``porter unicode61`` tokenizer.
+``porter unicode61`` tokenizer, run on each chunk's ``search_text`` column: the chunk text NFKC-folded
+with CJK runs split into character bigrams (`ldqa.retrieval.search_text`); questions get the same
+rewriting (`fts_query`). A store written before that column existed (schema 1, BM25 over the raw text) is
+rebuilt when it is opened, in one transaction: a crash leaves it as it was, never half-converted.
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ from ldqa.indexes.vector_index import (
     VectorIndex,
     mismatch_message,
 )
+from ldqa.retrieval.search_text import has_cjk, search_terms, search_text
 from ldqa.retrieval.types import Chunk, Document
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "ldqa.sqlite"
 INDEX_NAME = "vectors.faiss"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: chunks.search_text (NFKC + CJK bigrams) is what FTS5 indexes
 STALE_TMP_S = 3600.0  # temp files older than this (seconds) are swept on open
 _SQL_BATCH = 500  # ids per `IN (...)` query, well under SQLite's variable limit
 _MAX_QUERY_TERMS = 64
@@ -74,11 +78,24 @@ _SCHEMA = [
         "end" INTEGER NOT NULL,
         page INTEGER,
         n_tokens INTEGER NOT NULL,
-        embedding BLOB NOT NULL
+        embedding BLOB NOT NULL,
+        search_text TEXT NOT NULL DEFAULT ''
     )""",
     "CREATE INDEX IF NOT EXISTS chunks_doc ON chunks (doc_id, ordinal)",
 ]
 _FTS_TOKENIZE = "porter unicode61 remove_diacritics 2"
+# FTS5 over chunks.search_text (external content: the text lives once, in `chunks`), kept in sync by triggers
+_FTS_SCHEMA = [
+    f"""CREATE VIRTUAL TABLE chunks_fts USING fts5(search_text, tokenize='{_FTS_TOKENIZE}', content='chunks',
+        content_rowid='id')""",
+    """CREATE TRIGGER chunks_ai AFTER INSERT ON chunks BEGIN
+        INSERT INTO chunks_fts (rowid, search_text) VALUES (new.id, new.search_text); END""",
+    """CREATE TRIGGER chunks_ad AFTER DELETE ON chunks BEGIN
+        INSERT INTO chunks_fts (chunks_fts, rowid, search_text) VALUES ('delete', old.id, old.search_text); END""",
+    """CREATE TRIGGER chunks_au AFTER UPDATE ON chunks BEGIN
+        INSERT INTO chunks_fts (chunks_fts, rowid, search_text) VALUES ('delete', old.id, old.search_text);
+        INSERT INTO chunks_fts (rowid, search_text) VALUES (new.id, new.search_text); END""",
+]
 
 # Words that carry no retrieval signal in a question; a query made only of these gives no BM25 hits.
 STOPWORDS = frozenset(
@@ -90,7 +107,6 @@ STOPWORDS = frozenset(
     under until up very was we were what when where which while who whom why will with would you your
     yours yourself yourselves s t d ll m re ve""".split()
 )
-_WORD = re.compile(r"\w+", re.UNICODE)
 
 
 def default_store_dir(name: str = "default") -> Path:
@@ -117,16 +133,14 @@ def default_store_dir(name: str = "default") -> Path:
 def fts_query(text: str) -> str | None:
     """Turn a free-text question into a safe FTS5 MATCH expression.
 
-    Words (unicode ``\\w+`` runs) are lower-cased, stopwords and single letters dropped, duplicates
-    removed, each kept word double-quoted (so FTS5 reads it as a plain string, never as an operator,
+    Words (unicode ``\\w+`` runs of the NFKC-folded, lower-cased text; a CJK run becomes its character
+    bigrams, as in the index: `ldqa.retrieval.search_text.search_terms`) have stopwords and single Latin
+    letters dropped, duplicates removed, each kept word double-quoted (so FTS5 reads it as a plain string, never as an operator,
     column filter or prefix), and the words OR'ed: ``what's "x" AND (y2)`` -> ``"x" OR "y2"`` (the
     ``and`` is a stopword).  Returns None when nothing is left.
     """
-    terms: list[str] = []
-    for word in _WORD.findall(text.lower()):
-        if word in STOPWORDS or (len(word) == 1 and not word.isdigit()) or word in terms:
-            continue
-        terms.append(word)
+    terms = [w for w in search_terms(text)
+             if w not in STOPWORDS and (len(w) > 1 or w.isdigit() or has_cjk(w))]
     if not terms:
         return None
     return " OR ".join(f'"{t}"' for t in terms[:_MAX_QUERY_TERMS])
@@ -223,8 +237,32 @@ class Store:
         with self._lock, self._transaction():
             for sql in _SCHEMA:
                 self.db.execute(sql)
+            columns = {r[1] for r in self.db.execute("PRAGMA table_info(chunks)").fetchall()}
+            if "search_text" not in columns:
+                self._migrate_search_text()
             if not self.db["chunks_fts"].exists():
-                self.db["chunks"].enable_fts(["text"], create_triggers=True, tokenize=_FTS_TOKENIZE)
+                for sql in _FTS_SCHEMA:
+                    self.db.execute(sql)
+
+    def _migrate_search_text(self) -> None:
+        """Schema 1 -> 2 inside the caller's transaction: add chunks.search_text, fill it, and rebuild the
+        FTS5 index over it (schema 1 indexed the raw text, where CJK runs were single tokens and ligatures
+        unfolded). Everything or nothing is committed."""
+        n = self.db.execute("SELECT count(*) FROM chunks").fetchone()[0]
+        log.warning("store %s: rebuilding its BM25 index for CJK and ligature search (%d chunks, once)",
+                    self.path, n)
+        self.db.execute("ALTER TABLE chunks ADD COLUMN search_text TEXT NOT NULL DEFAULT ''")
+        for trigger in ("chunks_ai", "chunks_ad", "chunks_au"):
+            self.db.execute(f"DROP TRIGGER IF EXISTS {trigger}")
+        self.db.execute("DROP TABLE IF EXISTS chunks_fts")
+        rows = self.db.execute("SELECT id, text FROM chunks").fetchall()
+        self.db.conn.executemany("UPDATE chunks SET search_text = ? WHERE id = ?",
+                                 [(search_text(t), i) for i, t in rows])
+        for sql in _FTS_SCHEMA:
+            self.db.execute(sql)
+        self.db.execute("INSERT INTO chunks_fts (chunks_fts) VALUES ('rebuild')")
+        if self.db.execute("SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone():
+            self._set_meta(schema_version=SCHEMA_VERSION)
 
     def _meta(self) -> dict[str, str]:
         return {r["key"]: r["value"] for r in self.db.query("SELECT key, value FROM meta")}
@@ -434,9 +472,9 @@ class Store:
         )
         doc_id = int(cur.lastrowid)
         self.db.conn.executemany(
-            'INSERT INTO chunks (doc_id, ordinal, text, start, "end", page, n_tokens, embedding)'
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [(doc_id, c.ordinal, c.text, c.start, c.end, c.page, c.n_tokens, v.tobytes())
+            'INSERT INTO chunks (doc_id, ordinal, text, start, "end", page, n_tokens, embedding, search_text)'
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(doc_id, c.ordinal, c.text, c.start, c.end, c.page, c.n_tokens, v.tobytes(), search_text(c.text))
              for c, v in zip(chunks, vecs)],
         )
         return doc_id

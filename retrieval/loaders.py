@@ -1,7 +1,10 @@
 """Load source files (.txt, .md, .pdf, .html) into normalized `Document` records.
 
 Every loader returns NFC-normalized text with Unix line breaks, no control characters other than
-``\\n`` and ``\\t``, and at most one blank line in a row.  Anything that cannot give usable text raises
+``\\n`` and ``\\t``, typographic ligatures (ﬁ ﬂ ﬃ ...) spelled out, and at most one blank line in a
+row. Characters that stand for glyphs without a Unicode mapping (NUL and other control characters, U+FFFD,
+typical of PDFs whose fonts lack a ToUnicode map) are dropped and counted: `Document.meta["warnings"]`
+then says how many, and where.  Anything that cannot give usable text raises
 `LoadError`, whose message names the file and says what to do about it.
 
 Methods: UTF-8 first (BOM allowed), else the encoding detected by charset-normalizer; PDF text per page
@@ -39,6 +42,11 @@ _LINE_BREAKS = {"\r\n": "\n", "\r": "\n", "\x0b": "\n", "\x0c": "\n", "\x85": "\
 _BREAK_RE = re.compile("|".join(re.escape(k) for k in _LINE_BREAKS))
 _BLANK_RUN_RE = re.compile(r"\n(?:[ \t]*\n){2,}")
 _MD_HEADING_RE = re.compile(r"^#[ \t]+(.+?)(?:[ \t]+#+)?[ \t]*$")
+# Alphabetic presentation forms (U+FB00-FB06 Latin ff fi fl ffi ffl long-s-t st, U+FB13-FB17 Armenian):
+# typesetting ligatures, never a different letter; folded to the letters NFKC gives them. Only these: full
+# NFKC would also rewrite m² as m2 and ½ as 1⁄2 in the text the LLM reads and citations show (BM25 search
+# folds the rest, on its own copy: `ldqa.retrieval.search_text`).
+LIGATURES = {cp: unicodedata.normalize("NFKC", chr(cp)) for cp in (*range(0xFB00, 0xFB07), *range(0xFB13, 0xFB18))}
 
 
 class LoadError(ValueError):
@@ -71,7 +79,8 @@ def load_document(path: str | Path) -> Document:
     Document
         `path` absolute; `sha256` of the file bytes; `title` from the HTML <title>, the first Markdown
         ``# `` heading or the PDF metadata, else the file stem; `pages` (PDF only) the character span
-        of each 1-based page in `text`; `meta` holds ``encoding`` (text formats) or ``n_pages`` (PDF).
+        of each 1-based page in `text`; `meta` holds ``encoding`` (text formats) or ``n_pages`` (PDF), and
+        ``warnings`` (a list of sentences) when characters without a Unicode mapping were dropped.
 
     Raises
     ------
@@ -123,16 +132,39 @@ def iter_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return out
 
 
+def fold_ligatures(text: str) -> str:
+    """Spell out typographic ligatures (`LIGATURES`: "ﬁ" -> "fi", "ﬄ" -> "ffl"); nothing else changes."""
+    return text.translate(LIGATURES)
+
+
+def unmapped_glyphs(text: str) -> int:
+    """How many characters of extracted `text` stand for glyphs that had no Unicode mapping: NUL and
+    other control characters (category Cc) except tab, line and page breaks, and U+FFFD."""
+    return sum(1 for ch in text if ch == "\ufffd" or (unicodedata.category(ch) == "Cc" and ch not in _KEPT_CC))
+
+
+_KEPT_CC = "\t\n\r\x0b\x0c\x85"
+
+
+def _glyph_warning(n: int, where: str, fix: str) -> list[str]:
+    if not n:
+        return []
+    return [f"{n} character{'s' if n > 1 else ''} without a Unicode mapping{where} (NUL/control characters where "
+            f"letters should be) were dropped, so words there cannot be found; {fix}"]
+
+
 def normalize_text(text: str) -> str:
-    """Normalize extracted text: Unix line breaks, NFC, no control characters, blank runs collapsed.
+    """Normalize extracted text: Unix line breaks, NFC, ligatures folded, no control characters, blank
+    runs collapsed.
 
     ``\\r\\n``, ``\\r``, form feed, vertical tab, NEL and U+2028 become ``\\n`` (U+2029 a blank line);
+    the ligatures of `LIGATURES` are spelled out (`fold_ligatures`);
     other Unicode control characters (category Cc) except ``\\t`` and the byte-order mark are dropped;
     runs of two or more blank lines (whitespace-only lines count as blank) become one blank line;
     leading and trailing whitespace of the whole text is stripped.
     """
     text = _BREAK_RE.sub(lambda m: _LINE_BREAKS[m.group()], text)
-    text = unicodedata.normalize("NFC", text)
+    text = fold_ligatures(unicodedata.normalize("NFC", text))
     text = "".join(ch for ch in text if not _is_dropped(ch))
     return _BLANK_RUN_RE.sub("\n\n", text).strip()
 
@@ -235,15 +267,26 @@ def _reject_binary(path: Path, text: str) -> None:
                               "check that the extension matches the content")
 
 
+_TEXT_FIX = "check the file's encoding or re-export it as UTF-8"
+
+
+def _text_meta(raw: str, encoding: str, **extra) -> dict:
+    meta = {"encoding": encoding, **extra}
+    warnings = _glyph_warning(unmapped_glyphs(raw), "", _TEXT_FIX)
+    if warnings:
+        meta["warnings"] = warnings
+    return meta
+
+
 def _load_txt(path: Path, data: bytes) -> tuple[str, str, list[PageSpan], dict]:
     raw, encoding = decode_text(path, data)
-    return "", normalize_text(raw), [], {"encoding": encoding}
+    return "", normalize_text(raw), [], _text_meta(raw, encoding)
 
 
 def _load_md(path: Path, data: bytes) -> tuple[str, str, list[PageSpan], dict]:
     raw, encoding = decode_text(path, data)
     text = normalize_text(raw)
-    return markdown_title(text), text, [], {"encoding": encoding}
+    return markdown_title(text), text, [], _text_meta(raw, encoding)
 
 
 def markdown_title(text: str) -> str:
@@ -264,16 +307,24 @@ def markdown_title(text: str) -> str:
 def _load_pdf(path: Path, data: bytes) -> tuple[str, str, list[PageSpan], dict]:
     reader = _open_pdf(path, data)
     try:
-        page_texts = [normalize_text(page.extract_text() or "") for page in reader.pages]
+        raw_pages = [page.extract_text() or "" for page in reader.pages]
     except Exception as exc:  # pypdf raises many types on damaged content streams
         raise LoadError(path, f"corrupt PDF ({type(exc).__name__}: {exc}); re-export or repair it") from exc
+    page_texts = [normalize_text(t) for t in raw_pages]
     if not page_texts:
         raise LoadError(path, "the PDF has no pages; re-export it")
     if not any(page_texts):
         raise LoadError(path, f"the PDF has no text layer ({len(page_texts)} pages of images or "
                               "drawings only); OCR it first, e.g. with ocrmypdf")
     text, pages = join_pages(page_texts)
-    return _pdf_title(reader), text, pages, {"n_pages": len(page_texts)}
+    meta = {"n_pages": len(page_texts)}
+    bad = {n: c for n, c in enumerate((unmapped_glyphs(t) for t in raw_pages), start=1) if c}
+    if bad:
+        listed = ", ".join(map(str, list(bad)[:10])) + (", ..." if len(bad) > 10 else "")
+        meta["warnings"] = _glyph_warning(sum(bad.values()), f" on page{'s' if len(bad) > 1 else ''} {listed}",
+                                          "the PDF's fonts lack a ToUnicode map: re-export it with text, or "
+                                          "OCR it (ocrmypdf --force-ocr)")
+    return _pdf_title(reader), text, pages, meta
 
 
 def join_pages(page_texts: list[str]) -> tuple[str, list[PageSpan]]:
@@ -333,7 +384,7 @@ def _load_html(path: Path, data: bytes) -> tuple[str, str, list[PageSpan], dict]
     method = "trafilatura"
     if not text:
         text, method = normalize_text(fallback.text()), "html.parser"
-    return " ".join(fallback.title.split()), text, [], {"encoding": encoding, "extractor": method}
+    return " ".join(fallback.title.split()), text, [], _text_meta(raw, encoding, extractor=method)
 
 
 def _trafilatura_text(raw: str) -> str | None:

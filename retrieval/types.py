@@ -22,7 +22,8 @@ class Document:
     """A loaded source file: normalized text plus what is needed to cite it.
 
     path: absolute path of the source file; title: human title (HTML <title>, first Markdown heading,
-    PDF metadata, else the file stem); text: NFC-normalized text without control characters;
+    PDF metadata, else the file stem); text: NFC-normalized text without control characters, typographic
+    ligatures spelled out (`loaders.normalize_text`);
     sha256: hex digest of the *file bytes* (the document's identity: same bytes -> same document);
     pages: page spans for paged formats (PDF), empty otherwise; kind: "txt" | "md" | "pdf" | "html";
     meta: free-form extras (detected encoding, page count, ...).

@@ -1,0 +1,252 @@
+"""Issue 31: real documents that used to give wrong or missing results silently.
+
+CJK text in BM25, typographic ligatures, glyphs without a Unicode mapping; made-up inputs of the kind
+public bug reports describe. No test depends on a model answering well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sqlite_utils
+
+from ldqa.indexes import store as store_mod
+from ldqa.indexes.store import Store, fts_query
+from ldqa.retrieval.loaders import load_document, normalize_text, unmapped_glyphs
+from ldqa.retrieval.search_text import cjk_bigrams, search_terms, search_text
+from ldqa.retrieval.types import Chunk, Document
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_loaders import _assemble_pdf  # noqa: E402
+
+DIM = 4
+
+
+def _doc(path: str, texts: list[str]) -> tuple[Document, list[Chunk], np.ndarray]:
+    text = "\n".join(texts)
+    doc = Document(path=path, title=Path(path).stem, text=text, sha256=hashlib.sha256(text.encode()).hexdigest(),
+                   kind="txt")
+    chunks, pos = [], 0
+    for i, t in enumerate(texts):
+        chunks.append(Chunk(text=t, start=pos, end=pos + len(t), n_tokens=len(t), ordinal=i))
+        pos += len(t) + 1
+    vecs = np.tile(np.eye(DIM, dtype=np.float32)[0], (len(texts), 1))
+    return doc, chunks, vecs
+
+
+CORPUS = {
+    "/d/budget_zh.txt": ["今年的项目预算为三百万元，由财务部审批。"],
+    "/d/move_zh.txt": ["公司计划明年春天搬迁到新的办公楼。"],
+    "/d/budget_ja.txt": ["来年度の予算案は取締役会で承認されました。"],
+    "/d/hangul_ko.txt": ["올해 예산은 삼백만 원입니다."],
+    "/d/english.txt": ["The annual budget of the kiln workshop is three million.", "Staff move offices in spring."],
+}
+
+
+def _fill(s: Store) -> dict[str, int]:
+    return {p: s.add_document(*_doc(p, texts)) for p, texts in CORPUS.items()}
+
+
+def _top_doc(s: Store, query: str) -> str | None:
+    hits = s.bm25_search(query, 3)
+    if not hits:
+        return None
+    row = s.get_chunks([hits[0][0]])[0]
+    return next(d["path"] for d in s.documents() if d["id"] == row["doc_id"])
+
+
+# ------------------------------------------------------------------------------------ CJK in BM25
+def test_cjk_bigrams():
+    assert cjk_bigrams("预算搬迁") == ["预算", "算搬", "搬迁"]
+    assert cjk_bigrams("税") == ["税"]
+    assert search_terms("预算是多少?") == ["预算", "算是", "是多", "多少"]
+    assert search_terms("iPhone价格") == ["iphone", "价格"]
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("预算", "/d/budget_zh.txt"),
+    ("项目预算是多少？", "/d/budget_zh.txt"),
+    ("搬迁", "/d/move_zh.txt"),
+    ("公司什么时候搬迁", "/d/move_zh.txt"),
+    ("予算", "/d/budget_ja.txt"),
+    ("予算案", "/d/budget_ja.txt"),
+    ("예산", "/d/hangul_ko.txt"),
+    ("kiln budget", "/d/english.txt"),
+])
+def test_cjk_query_ranks_matching_document_first(tmp_path, query, expected):
+    with Store(tmp_path / "st", "fake", DIM) as s:
+        _fill(s)
+        assert _top_doc(s, query) == expected
+
+
+def test_english_search_text_and_queries_unchanged():
+    text = "Dogs chase cats; the SL-30 Pro's fan-hub bolts: 10 Nm (see §4.2)."
+    assert search_text(text) == text  # nothing to fold, no CJK: FTS5 sees the same text as before
+    assert fts_query("What torque for the fan hub bolts?") == '"torque" OR "fan" OR "hub" OR "bolts"'
+    assert fts_query("a b c 7") == '"7"'
+
+
+def _downgrade_to_schema1(path: Path) -> None:
+    """Turn a store into what ldqa wrote before search_text existed: FTS5 over the raw text, schema 1."""
+    conn = sqlite3.connect(path / store_mod.DB_NAME)
+    db = sqlite_utils.Database(conn)
+    for t in ("chunks_ai", "chunks_ad", "chunks_au"):
+        conn.execute(f"DROP TRIGGER {t}")
+    conn.execute("DROP TABLE chunks_fts")
+    conn.execute("ALTER TABLE chunks DROP COLUMN search_text")
+    db["chunks"].enable_fts(["text"], create_triggers=True, tokenize=store_mod._FTS_TOKENIZE)
+    conn.execute("INSERT INTO chunks_fts (chunks_fts) VALUES ('rebuild')")
+    conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+
+
+def test_schema1_store_is_rebuilt_on_open(tmp_path):
+    with Store(tmp_path / "st", "fake", DIM) as s:
+        _fill(s)
+        english = s.bm25_search("budget spring offices", 5)
+        n = s.n_chunks()
+    _downgrade_to_schema1(tmp_path / "st")
+    with Store(tmp_path / "st", "fake", DIM) as s:  # the old tokenizer: a CJK run is one token
+        pass
+    conn = sqlite3.connect(tmp_path / "st" / store_mod.DB_NAME)
+    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
+    conn.close()
+    with Store(tmp_path / "st", "fake", DIM) as s:
+        assert s.n_chunks() == n
+        assert _top_doc(s, "预算") == "/d/budget_zh.txt"
+        assert s.bm25_search("budget spring offices", 5) == english
+        # the rebuilt index stays in sync with later changes
+        s.add_document(*_doc("/d/new_zh.txt", ["新的仓库预算很少。"]))
+        assert {_top_doc(s, "仓库")} == {"/d/new_zh.txt"}
+
+
+def test_interrupted_rebuild_leaves_the_old_store_intact(tmp_path, monkeypatch):
+    with Store(tmp_path / "st", "fake", DIM) as s:
+        _fill(s)
+    _downgrade_to_schema1(tmp_path / "st")
+    calls = {"n": 0}
+    real = store_mod.search_text
+
+    def dies_midway(text):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("power cut")
+        return real(text)
+
+    monkeypatch.setattr(store_mod, "search_text", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        Store(tmp_path / "st", "fake", DIM)
+    conn = sqlite3.connect(tmp_path / "st" / store_mod.DB_NAME)
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(chunks)")}
+    assert "search_text" not in cols  # nothing half-converted
+    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("1",)
+    # the old index still answers English queries
+    assert conn.execute("SELECT count(*) FROM chunks_fts WHERE chunks_fts MATCH 'kiln'").fetchone() == (1,)
+    conn.close()
+    monkeypatch.setattr(store_mod, "search_text", real)
+    with Store(tmp_path / "st", "fake", DIM) as s:  # the next open converts it
+        assert _top_doc(s, "予算") == "/d/budget_ja.txt"
+
+
+def test_newer_schema_is_refused(tmp_path):
+    with Store(tmp_path / "st", "fake", DIM):
+        pass
+    conn = sqlite3.connect(tmp_path / "st" / store_mod.DB_NAME)
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(ValueError, match="newer ldqa"):
+        Store(tmp_path / "st", "fake", DIM)
+
+
+# ------------------------------------------------------------------------------------ ligatures
+def test_ligatures_folded_in_text_and_spans(tmp_path):
+    raw = "The \ufb01nal o\ufb03cial work\ufb02ow of the a\ufb03liate, e\ufb00ort and ba\ufb04e."
+    assert normalize_text(raw) == "The final official workflow of the affiliate, effort and baffle."
+    assert normalize_text("m² costs ½ of ＡＢＣ") == "m² costs ½ of ＡＢＣ"  # only ligatures are folded
+    p = tmp_path / "lig.txt"
+    p.write_text(raw, encoding="utf-8")
+    doc = load_document(p)
+    assert "affiliate" in doc.text and "\ufb03" not in doc.text
+
+
+def _ligature_pdf() -> bytes:
+    """One page typeset with ligature glyphs (/fi /fl /ffi through the font's /Differences), as TeX and
+    InDesign output does: pypdf extracts them as U+FB01 / U+FB02 / U+FB03."""
+    enc = b"<< /Type /Encoding /BaseEncoding /WinAnsiEncoding /Differences [1 /fi 2 /fl 3 /ffi] >>"
+    stream = b"BT /F1 12 Tf 72 720 Td (The \\001nal o\\003cial work\\002ow of the a\\003liate.) Tj ET"
+    return _pdf_page(stream, enc)
+
+
+def _pdf_page(stream: bytes, encoding: bytes) -> bytes:
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [4 0 R] /Count 1 >>",
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding " + encoding + b" >>",
+               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >>"
+               b" /Contents 5 0 R >>",
+               b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream"]
+    return _assemble_pdf(objects)
+
+
+def test_pdf_with_ligatures_is_searchable(tmp_path):
+    p = tmp_path / "typeset.pdf"
+    p.write_bytes(_ligature_pdf())
+    doc = load_document(p)
+    assert doc.text == "The final official workflow of the affiliate."
+    assert "warnings" not in doc.meta
+    with Store(tmp_path / "st", "fake", DIM) as s:
+        s.add_document(doc, [Chunk(doc.text, 0, len(doc.text), 9, 0, 1)], np.eye(DIM, dtype=np.float32)[:1])
+        for word in ("affiliate", "workflow", "official", "final"):
+            assert len(s.bm25_search(word, 1)) == 1, word
+
+
+def test_search_folds_ligatures_even_in_old_text():
+    """A chunk stored before loaders folded ligatures is still found: search_text applies NFKC."""
+    assert search_text("o\ufb03cial work\ufb02ow") == "official workflow"
+    assert search_terms("ＡＢＣ-123 o\ufb03cial") == ["abc", "123", "official"]
+
+
+# ------------------------------------------------------------------------------ unmapped glyphs
+def test_pdf_glyphs_without_unicode_mapping_warn_per_file(tmp_path):
+    stream = b"BT /F1 12 Tf 72 720 Td (Total \\001\\002\\003\\004 due in March.) Tj ET"
+    p = tmp_path / "nomap.pdf"
+    p.write_bytes(_pdf_page(stream, b"/WinAnsiEncoding"))
+    doc = load_document(p)
+    assert "\x01" not in doc.text and doc.text.startswith("Total")
+    (w,) = doc.meta["warnings"]
+    assert w.startswith("4 characters without a Unicode mapping on page 1") and "OCR" in w
+
+
+def test_text_file_with_control_characters_warns(tmp_path):
+    p = tmp_path / "ctl.txt"
+    p.write_text("Budget \x02\x03 approved.\n" + "More ordinary text. " * 20, encoding="utf-8")
+    doc = load_document(p)
+    assert doc.text.startswith("Budget  approved.")
+    assert doc.meta["warnings"][0].startswith("2 characters without a Unicode mapping")
+    clean = tmp_path / "clean.txt"
+    clean.write_text("Tabs\tand\r\nnewlines\x0care fine.", encoding="utf-8")
+    assert "warnings" not in load_document(clean).meta
+    assert unmapped_glyphs("a\tb\nc\r\x0c\ufffd\x00") == 2
+
+
+def test_ingest_reports_the_warning_and_keeps_the_file(tiny_model_dir, tmp_path, caplog):
+    from ldqa.app.api import LongDocQA
+
+    good = tmp_path / "docs" / "good.txt"
+    good.parent.mkdir()
+    good.write_text("The kiln budget is three million.", encoding="utf-8")
+    bad = tmp_path / "docs" / "nomap.pdf"
+    bad.write_bytes(_pdf_page(b"BT /F1 12 Tf 72 720 Td (Invoice \\001\\002 total 40 EUR.) Tj ET", b"/WinAnsiEncoding"))
+    qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=4)
+    with caplog.at_level("WARNING"):
+        report = qa.ingest([tmp_path / "docs"])
+    by_name = {Path(f.path).name: f for f in report.files}
+    assert by_name["good.txt"].status == "added" and by_name["good.txt"].warnings == []
+    assert by_name["nomap.pdf"].status == "added" and "page 1" in by_name["nomap.pdf"].warnings[0]
+    assert any("nomap.pdf" in r.getMessage() and "Unicode mapping" in r.getMessage() for r in caplog.records)
+    assert report.to_dict()["files"][1]["warnings"] == by_name["nomap.pdf"].warnings
