@@ -248,7 +248,7 @@ class LongDocQA:
                     first_of[sha] = x[0].path
             prepared.append(x)
         todo = [x for x in prepared if not isinstance(x, FileResult)]
-        texts = [c.text for _, _, chunks in todo for c in chunks]
+        texts = [c.full_text for _, _, chunks in todo for c in chunks]
         t0 = time.perf_counter()
         try:
             vectors = self.embedder.encode(texts) if texts else None
@@ -265,7 +265,7 @@ class LongDocQA:
             t0, before = time.perf_counter(), own_ms[doc.path] + embed_ms_per_chunk * len(chunks)
             try:
                 vec = vectors[row:row + len(chunks)] if vectors is not None else \
-                    self.embedder.encode([c.text for c in chunks])
+                    self.embedder.encode([c.full_text for c in chunks])
                 doc_id = self.store.add_document(doc, chunks, vec)
                 out.append(FileResult(given[doc.path], "replaced" if old else "added", len(chunks), doc_id, "",
                                       before + _ms(t0), list(doc.meta.get("warnings", []))))
@@ -317,7 +317,7 @@ class LongDocQA:
         bar = _progress(rows, progress, "kv blocks")
         with self._generate_lock:
             for row in rows:
-                p = Passage(row["title"], row["text"], row["page"], row["id"])
+                p = Passage(row["title"], row["text"], row["page"], row["id"], header=row["header"])
                 seg = build_prompt(tok, [p], "?")
                 rt.get_block(seg.prefix, seg.passages[0], row["id"], stats)
                 if bar is not None:
@@ -846,12 +846,13 @@ class Passage:
     path: str = ""
     start: int = 0
     end: int = 0
+    header: str = ""
 
     @classmethod
     def of(cls, obj) -> "Passage":
         if isinstance(obj, dict):
             return cls(**{k: v for k, v in obj.items() if k in cls.__dataclass_fields__})
-        return cls(obj.title, obj.text, getattr(obj, "page", None))
+        return cls(obj.title, obj.text, getattr(obj, "page", None), header=getattr(obj, "header", ""))
 
 
 def _check_attention(attention, ratio, block_headers=None) -> None:

@@ -51,10 +51,12 @@ def header_text(n: int) -> str:
     return f"Passage [{n}]"
 
 
-def passage_text(title: str, text: str, page: int | None = None) -> str:
-    """The rank-independent body of a passage, e.g. ' (Title: Manual, page 3) ...'."""
+def passage_text(title: str, text: str, page: int | None = None, header: str = "") -> str:
+    """The rank-independent body of a passage, e.g. ' (Title: Manual, page 3) ...'; `header`: the table
+    header rows of a chunk that continues a table (`Chunk.header`), put on their own line first."""
     where = f"Title: {title}" + (f", page {page}" if page else "")
-    return f" ({where}) {text.strip()}\n\n"
+    body = f"{header}\n{text.strip()}" if header else text.strip()
+    return f" ({where}) {body}\n\n"
 
 
 def question_text(question: str, answer_prefix: str = "") -> str:
@@ -89,5 +91,5 @@ def build_prompt(tokenizer, passages, question: str, instruction: str | None = N
     text = INSTRUCTION if instruction is None else instruction
     prefix = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(text)
     headers = [tokenizer.encode(header_text(i + 1)) for i in range(len(passages))]
-    blocks = [tokenizer.encode(passage_text(p.title, p.text, p.page)) for p in passages]
+    blocks = [tokenizer.encode(passage_text(p.title, p.text, p.page, getattr(p, "header", ""))) for p in passages]
     return PromptSegments(prefix, headers, blocks, tokenizer.encode(question_text(question, answer_prefix)))

@@ -43,13 +43,13 @@ from ldqa.indexes.vector_index import (
     mismatch_message,
 )
 from ldqa.retrieval.search_text import has_cjk, search_terms, search_text
-from ldqa.retrieval.types import Chunk, Document
+from ldqa.retrieval.types import Chunk, Document, with_header
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "ldqa.sqlite"
 INDEX_NAME = "vectors.faiss"
-SCHEMA_VERSION = 2  # 2: chunks.search_text (NFKC + CJK bigrams) is what FTS5 indexes
+SCHEMA_VERSION = 2  # 2: chunks.search_text (NFKC + CJK bigrams) is what FTS5 indexes; chunks.header
 STALE_TMP_S = 3600.0  # temp files older than this (seconds) are swept on open
 _SQL_BATCH = 500  # ids per `IN (...)` query, well under SQLite's variable limit
 _MAX_QUERY_TERMS = 64
@@ -79,7 +79,8 @@ _SCHEMA = [
         page INTEGER,
         n_tokens INTEGER NOT NULL,
         embedding BLOB NOT NULL,
-        search_text TEXT NOT NULL DEFAULT ''
+        search_text TEXT NOT NULL DEFAULT '',
+        header TEXT NOT NULL DEFAULT ''
     )""",
     "CREATE INDEX IF NOT EXISTS chunks_doc ON chunks (doc_id, ordinal)",
 ]
@@ -252,6 +253,8 @@ class Store:
         log.warning("store %s: rebuilding its BM25 index for CJK and ligature search (%d chunks, once)",
                     self.path, n)
         self.db.execute("ALTER TABLE chunks ADD COLUMN search_text TEXT NOT NULL DEFAULT ''")
+        if "header" not in {r[1] for r in self.db.execute("PRAGMA table_info(chunks)").fetchall()}:
+            self.db.execute("ALTER TABLE chunks ADD COLUMN header TEXT NOT NULL DEFAULT ''")
         for trigger in ("chunks_ai", "chunks_ad", "chunks_au"):
             self.db.execute(f"DROP TRIGGER IF EXISTS {trigger}")
         self.db.execute("DROP TABLE IF EXISTS chunks_fts")
@@ -472,9 +475,10 @@ class Store:
         )
         doc_id = int(cur.lastrowid)
         self.db.conn.executemany(
-            'INSERT INTO chunks (doc_id, ordinal, text, start, "end", page, n_tokens, embedding, search_text)'
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [(doc_id, c.ordinal, c.text, c.start, c.end, c.page, c.n_tokens, v.tobytes(), search_text(c.text))
+            'INSERT INTO chunks (doc_id, ordinal, text, start, "end", page, n_tokens, embedding, search_text, header)'
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(doc_id, c.ordinal, c.text, c.start, c.end, c.page, c.n_tokens, v.tobytes(),
+              search_text(with_header(getattr(c, "header", ""), c.text)), getattr(c, "header", ""))
              for c, v in zip(chunks, vecs)],
         )
         return doc_id
@@ -600,7 +604,8 @@ class Store:
     def get_chunks(self, ids: Iterable[int]) -> list[dict]:
         """Chunk rows for `ids`, in the order given; ids no longer stored are skipped.
 
-        Each dict: id, doc_id, ordinal, text, start, end, page, n_tokens, title, path (of the document).
+        Each dict: id, doc_id, ordinal, text, start, end, page, n_tokens, header (table header rows read
+        before the text, "" for none), title, path (of the document).
         """
         ids = [int(i) for i in ids]
         found: dict[int, dict] = {}
@@ -610,7 +615,7 @@ class Store:
                 batch = ids[lo:lo + _SQL_BATCH]
                 marks = ", ".join("?" * len(batch))
                 for row in self.db.query(
-                    'SELECT c.id, c.doc_id, c.ordinal, c.text, c.start, c."end", c.page, c.n_tokens,'
+                    'SELECT c.id, c.doc_id, c.ordinal, c.text, c.start, c."end", c.page, c.n_tokens, c.header,'
                     " d.title, d.path FROM chunks c JOIN documents d ON d.id = c.doc_id"
                     f" WHERE c.id IN ({marks})",
                     batch,

@@ -7,12 +7,19 @@ Method
    that start a Markdown heading, list item, table row or quote (hard-wrapped prose stays whole
    sentences). Each unit is the white-space-trimmed character span between cuts.
 2. Each unit is counted once with `count_tokens`. A unit longer than `chunk_tokens` is replaced by its
-   words; a word longer than `chunk_tokens` by character pieces found with a bounded binary search.
+   lines (so a table row extracted from a PDF as one line is never cut), a line that is still too long
+   by its words, a word longer than `chunk_tokens` by character pieces (bounded binary search).
 3. Greedy packing: units are added while the estimated size (per-call overhead + sum of unit costs)
    stays within `chunk_tokens`. The chunk text is then counted for real; if the tokenizer is not
    additive and the count is over the budget, a binary search finds the longest prefix that fits.
 4. Overlap: the next chunk starts with the longest tail of whole units of the previous chunk whose
    cost is at most `overlap_tokens` (never the whole previous chunk), and always adds new text.
+5. Tables: a Markdown pipe table (what Markdown files hold and what the HTML loader makes of ``<table>``)
+   is a run of lines starting with ``|`` whose second line is a separator (``|---|:--:|``). A chunk
+   that starts inside such a table, after its separator, gets the header and separator rows as
+   `Chunk.header`: they go before its text wherever the chunk is read (embedding, BM25, the LLM's
+   passage) and are counted in its `chunk_tokens` budget, so every piece of a long table names its
+   columns. Rows are units, so no row is cut (unless one row alone is over the budget).
 
 `count_tokens` is called about once per unit plus once per chunk, so a 160K-token book costs a few
 thousand short tokenizer calls.
@@ -34,6 +41,8 @@ _CUT_RE = re.compile(
     re.MULTILINE,
 )
 _WORD_RE = re.compile(r"\S+")
+_LINE_RE = re.compile(r"[^\n]+")
+_TABLE_SEP_RE = re.compile(r"[ \t]*\|?[ \t]*:?-{3,}:?[ \t]*(?:\|[ \t]*:?-{3,}:?[ \t]*)*\|?[ \t]*")
 _MAX_CHARS_PER_TOKEN = 32  # bound on the first probe when splitting one huge word by characters
 
 
@@ -82,7 +91,9 @@ def chunk_document(doc: Document, count_tokens: Callable[[str], int],
     list of Chunk
         In document order, `ordinal` 0..n-1; `text == doc.text[start:end]` with no leading/trailing
         white space; every non-white-space character lies in at least one chunk;
-        `n_tokens == count_tokens(text) <= config.chunk_tokens`; `page == doc.page_at(start)`.
+        `n_tokens == count_tokens(full_text) <= config.chunk_tokens` (`full_text` is `text`, preceded by
+        the table header rows in `header` for a chunk that starts inside a table); `page ==
+        doc.page_at(start)`.
         Empty for a text that is empty or white space only.
 
     Raises
@@ -93,15 +104,47 @@ def chunk_document(doc: Document, count_tokens: Callable[[str], int],
     """
     counter = _Counter(count_tokens)
     units = _units(doc.text, counter, config.chunk_tokens)
+    headers = _table_headers(doc.text, units)
     chunks: list[Chunk] = []
     first, prev_end = 0, 0
     while first < len(units):
-        first, last, n_tokens = _pack(doc.text, units, first, prev_end, counter, config.chunk_tokens)
+        wanted = headers.get(first, "")
+        first, last, n_tokens, header = _pack(doc.text, units, first, prev_end, counter, config.chunk_tokens, wanted)
+        if headers.get(first, "") != wanted:  # the packing moved the start into or out of a table
+            first, last, n_tokens, header = _pack(doc.text, units, first, prev_end, counter, config.chunk_tokens,
+                                                  headers.get(first, ""))
         start, end = units[first].start, units[last - 1].end
         chunks.append(Chunk(text=doc.text[start:end], start=start, end=end, n_tokens=n_tokens,
-                            ordinal=len(chunks), page=doc.page_at(start)))
-        first, prev_end = _next_start(units, first, last, counter.overhead, config), last
+                            ordinal=len(chunks), page=doc.page_at(start), header=header))
+        nxt = _next_start(units, first, last, counter.overhead, config, header_cost(headers.get(last, ""), counter))
+        first, prev_end = nxt, last
     return chunks
+
+
+def header_cost(header: str, counter: "_Counter") -> int:
+    """Tokens a table header adds before a chunk's text (0 for none)."""
+    return counter.cost(header + "\n") if header else 0
+
+
+def _table_headers(text: str, units: list["_Unit"]) -> dict[int, str]:
+    """{unit index: header rows} for every unit that is a table body row (after the separator) of a
+    Markdown pipe table; the header rows are the table's first line and its separator line."""
+    out: dict[int, str] = {}
+    i = 0
+    while i + 1 < len(units):
+        a, b = units[i], units[i + 1]
+        row_a, row_b = text[a.start:a.end], text[b.start:b.end]
+        if (row_a.startswith("|") and "\n" not in row_a and _TABLE_SEP_RE.fullmatch(row_b)
+                and text[a.end:b.start].count("\n") == 1):
+            header = text[a.start:b.end]
+            j = i + 2
+            while j < len(units) and text[units[j].start] == "|" and text[units[j - 1].end:units[j].start].count("\n") == 1:
+                out[j] = header
+                j += 1
+            i = j
+        else:
+            i += 1
+    return out
 
 
 class _Counter:
@@ -144,9 +187,24 @@ def _spans(text: str, cuts: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def _split_long(text: str, start: int, end: int, counter: _Counter, limit: int) -> list[_Unit]:
-    """Words of an over-long unit; over-long words become character pieces."""
+def _split_long(text: str, start: int, end: int, counter: _Counter, limit: int, by_lines: bool = True) -> list[_Unit]:
+    """Lines of an over-long unit (a PDF table's rows stay whole); over-long lines become words,
+    over-long words character pieces."""
     out: list[_Unit] = []
+    if by_lines and "\n" in text[start:end]:
+        for m in _LINE_RE.finditer(text, start, end):
+            w = _WORD_RE.search(text, m.start(), m.end())
+            if w is None:
+                continue
+            s, e = w.start(), m.end()
+            while text[e - 1].isspace():
+                e -= 1
+            cost = counter.cost(text[s:e])
+            if counter.overhead + cost <= limit:
+                out.append(_Unit(s, e, cost))
+            else:
+                out.extend(_split_long(text, s, e, counter, limit, by_lines=False))
+        return out
     for m in _WORD_RE.finditer(text, start, end):
         cost = counter.cost(m.group())
         if counter.overhead + cost <= limit:
@@ -179,34 +237,41 @@ def _split_chars(text: str, start: int, end: int, counter: _Counter, limit: int)
 
 
 def _pack(text: str, units: list[_Unit], first: int, prev_end: int, counter: _Counter,
-          limit: int) -> tuple[int, int, int]:
+          limit: int, header: str = "") -> tuple[int, int, int, str]:
     """Unit range [first, last) and real token count of the chunk that starts at unit `first`.
 
-    Units [first, prev_end) are overlap from the previous chunk. Greedy on the estimated cost (and at
+    Returns (first, last, n_tokens, header): the header is dropped (returned "") only when one table row
+    with it is over the budget. Units [first, prev_end) are overlap from the previous chunk. Greedy on the estimated cost (and at
     most `limit * _MAX_CHARS_PER_TOKEN` characters); if the real count is over `limit` (a tokenizer
     that is not additive), binary-search the longest prefix that fits, keeping at least one new unit,
     and if even that is too long, drop overlap units from the front. A single unit always fits,
     because units were counted on exactly their own text.
     """
-    last, total, max_chars = first, counter.overhead, limit * _MAX_CHARS_PER_TOKEN
+    last, total, max_chars = first, counter.overhead + header_cost(header, counter), limit * _MAX_CHARS_PER_TOKEN
     while last < len(units) and (last == first or (total + units[last].cost <= limit
                                                    and units[last].end - units[first].start <= max_chars)):
         total += units[last].cost
         last += 1
-    n_tokens = _span_count(text, units, first, last, counter)
+    n_tokens = _span_count(text, units, first, last, counter, header)
     if n_tokens <= limit:
-        return first, last, n_tokens
+        return first, last, n_tokens, header
     min_last = max(first, prev_end) + 1  # keep at least one unit the previous chunk did not have
-    if _span_count(text, units, first, min_last, counter) <= limit:
-        last = _largest_fit(lambda j: _span_count(text, units, first, j, counter) <= limit, min_last, last - 1)
+    if _span_count(text, units, first, min_last, counter, header) <= limit:
+        last = _largest_fit(lambda j: _span_count(text, units, first, j, counter, header) <= limit, min_last,
+                            last - 1)
+    elif _span_count(text, units, min_last - 1, min_last, counter, header) > limit:
+        # one row with its table header is over the budget: the row alone (it was counted to fit)
+        return min_last - 1, min_last, _span_count(text, units, min_last - 1, min_last, counter), ""
     else:
         last = min_last
-        first = _smallest_fit(lambda i: _span_count(text, units, i, last, counter) <= limit, first + 1, last - 1)
-    return first, last, _span_count(text, units, first, last, counter)
+        first = _smallest_fit(lambda i: _span_count(text, units, i, last, counter, header) <= limit, first + 1,
+                              last - 1)
+    return first, last, _span_count(text, units, first, last, counter, header), header
 
 
-def _span_count(text: str, units: list[_Unit], first: int, last: int, counter: _Counter) -> int:
-    return int(counter.count(text[units[first].start:units[last - 1].end]))
+def _span_count(text: str, units: list[_Unit], first: int, last: int, counter: _Counter, header: str = "") -> int:
+    body = text[units[first].start:units[last - 1].end]
+    return int(counter.count(f"{header}\n{body}" if header else body))
 
 
 def _largest_fit(fits: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -225,11 +290,13 @@ def _smallest_fit(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     return lo
 
 
-def _next_start(units: list[_Unit], first: int, last: int, overhead: int, config: ChunkConfig) -> int:
-    """First unit of the next chunk: a tail of [first, last) of cost <= overlap that leaves room."""
+def _next_start(units: list[_Unit], first: int, last: int, overhead: int, config: ChunkConfig,
+                header_tokens: int = 0) -> int:
+    """First unit of the next chunk: a tail of [first, last) of cost <= overlap that leaves room (for
+    the next unit and, inside a table, the header rows)."""
     if last >= len(units):
         return last
-    room = min(config.overlap_tokens, config.chunk_tokens - overhead - units[last].cost)
+    room = min(config.overlap_tokens, config.chunk_tokens - overhead - header_tokens - units[last].cost)
     start, tail = last, 0
     while start - 1 > first and tail + units[start - 1].cost <= room:
         start -= 1

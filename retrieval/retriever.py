@@ -22,7 +22,9 @@ class RetrievedPassage:
     score: the ranking score of the mode used (RRF score for hybrid, cosine for dense, -bm25 for bm25);
     dense_score / bm25_score: the chunk's score in that list, None if it was not among its candidates;
     dense_rank / bm25_rank: 1-based rank in that candidate list, or None.
-    page: 1-based page (None for unpaged sources); start, end: character offsets in the document text.
+    page: 1-based page (None for unpaged sources); start, end: character offsets in the document text
+    (text == document text[start:end]); header: the table header rows the chunk's text continues ("" for
+    none), read before the text by the LLM.
     """
 
     chunk_id: int
@@ -38,6 +40,7 @@ class RetrievedPassage:
     bm25_score: float | None = None
     dense_rank: int | None = None
     bm25_rank: int | None = None
+    header: str = ""
 
 
 class Retriever:
@@ -131,5 +134,6 @@ class Retriever:
                 chunk_id=cid, doc_id=row["doc_id"], title=row["title"], path=row["path"], page=row["page"],
                 start=row["start"], end=row["end"], text=row["text"], score=float(score),
                 dense_score=d_score, bm25_score=b_score, dense_rank=d_rank, bm25_rank=b_rank,
+                header=row.get("header", ""),
             ))
         return out

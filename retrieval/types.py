@@ -49,9 +49,10 @@ class Document:
 class Chunk:
     """One retrieval unit (later also the KV block): a slice of `Document.text`.
 
-    text == document.text[start:end]; n_tokens: length in the LLM tokenizer's tokens;
-    page: 1-based page of `start` (None when the document has no pages); ordinal: 0-based index in the
-    document.
+    text == document.text[start:end]; header: the header and separator rows of the table this chunk
+    starts inside (after them), "" otherwise; n_tokens: length of `full_text` in the LLM tokenizer's
+    tokens; page: 1-based page of `start` (None when the document has no pages); ordinal: 0-based index
+    in the document.
     """
 
     text: str
@@ -60,3 +61,14 @@ class Chunk:
     n_tokens: int
     ordinal: int
     page: int | None = None
+    header: str = ""
+
+    @property
+    def full_text(self) -> str:
+        """What is embedded, indexed and given to the LLM: `header` (if any), a line break, `text`."""
+        return with_header(self.header, self.text)
+
+
+def with_header(header: str, text: str) -> str:
+    """A chunk's text preceded by its table header rows (`Chunk.header`), or the text alone."""
+    return f"{header}\n{text}" if header else text

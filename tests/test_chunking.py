@@ -81,7 +81,8 @@ def check_invariants(doc: Document, chunks, count, config: ChunkConfig) -> None:
     for c in chunks:
         assert c.text == text[c.start:c.end]
         assert c.text and c.text == c.text.strip()
-        assert c.n_tokens == count(c.text) <= config.chunk_tokens
+        assert c.n_tokens == count(c.full_text) <= config.chunk_tokens
+        assert c.full_text == (f"{c.header}\n{c.text}" if c.header else c.text)
         assert c.page == doc.page_at(c.start)
         if prev is not None:
             assert prev.start < c.start and prev.end < c.end  # in order, always moving forward

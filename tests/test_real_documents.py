@@ -250,3 +250,82 @@ def test_ingest_reports_the_warning_and_keeps_the_file(tiny_model_dir, tmp_path,
     assert by_name["nomap.pdf"].status == "added" and "page 1" in by_name["nomap.pdf"].warnings[0]
     assert any("nomap.pdf" in r.getMessage() and "Unicode mapping" in r.getMessage() for r in caplog.records)
     assert report.to_dict()["files"][1]["warnings"] == by_name["nomap.pdf"].warnings
+
+
+# ------------------------------------------------------------------------------------ tables
+from ldqa.retrieval.chunking import ChunkConfig, chunk_document  # noqa: E402
+
+HEADER = "| SKU | Product | Unit price | Stock |\n|---|---|---:|---|"
+
+
+def _price_rows(n: int = 60) -> list[str]:
+    return [f"| SKU-{i:04d} | Widget model {i} | {i * 1.25 + 3:.2f} EUR | {(i * 7) % 50} |" for i in range(n)]
+
+
+def _words(s: str) -> int:
+    return len(s.split())
+
+
+def test_every_table_chunk_repeats_the_header_within_budget():
+    text = "# Price list\n\nOur prices for 2025 are below.\n\n" + HEADER + "\n" + "\n".join(_price_rows()) + \
+        "\n\nPrices exclude VAT. Delivery takes a week."
+    doc = Document(path="/x.md", title="t", text=text, sha256="0", kind="md")
+    cfg = ChunkConfig(64, 8)
+    chunks = chunk_document(doc, _words, cfg)
+    assert len(chunks) > 4
+    rows = set(_price_rows())
+    for c in chunks:
+        assert c.text == text[c.start:c.end]
+        assert c.n_tokens == _words(c.full_text) <= cfg.chunk_tokens
+        lines = c.text.split("\n")
+        has_rows = any(line in rows for line in lines)
+        # no row is cut: every line that looks like a row is a whole row (or the header/separator)
+        assert all(line in rows or not line.startswith("| SKU-") for line in lines)
+        if has_rows:
+            assert c.header == HEADER or HEADER in c.text, c
+        else:
+            assert c.header == ""
+    # every row is in some chunk, and the last rows' chunk names the columns
+    assert rows <= {line for c in chunks for line in c.text.split("\n")}
+    last = next(c for c in chunks if "| SKU-0057 |" in c.text)
+    assert last.full_text.startswith(HEADER)
+
+
+def test_long_pdf_like_lines_are_not_cut_mid_row():
+    """A table extracted from a PDF comes as one paragraph of lines; over the budget it is cut at line
+    ends, never inside a row."""
+    rows = [f"SKU-{i:04d} Widget model {i} {i * 1.25 + 3:.2f} EUR" for i in range(60)]
+    text = "SKU Product Unit price\n" + "\n".join(rows)
+    doc = Document(path="/x.pdf", title="t", text=text, sha256="0", kind="pdf")
+    chunks = chunk_document(doc, _words, ChunkConfig(40, 0))
+    assert len(chunks) > 3
+    for c in chunks:
+        assert all(line in rows or line == "SKU Product Unit price" for line in c.text.split("\n")), c.text
+
+
+@pytest.mark.parametrize("kind", ["md", "html"])
+def test_question_about_a_bottom_row_retrieves_a_chunk_that_names_the_columns(tiny_model_dir, tmp_path, kind):
+    from ldqa.app.api import LongDocQA
+
+    rows = _price_rows()
+    if kind == "md":
+        body = "# Price list\n\nOur prices for 2025.\n\n" + HEADER + "\n" + "\n".join(rows) + "\n"
+    else:
+        cells = lambda r: "".join(f"<td>{c.strip()}</td>" for c in r.strip("|").split("|"))  # noqa: E731
+        body = ("<html><head><title>Price list</title></head><body><h1>Price list</h1><p>Our prices for 2025."
+                "</p><table><thead><tr><th>SKU</th><th>Product</th><th>Unit price</th><th>Stock</th></tr></thead>"
+                "<tbody>" + "".join(f"<tr>{cells(r)}</tr>" for r in rows) + "</tbody></table></body></html>")
+    p = tmp_path / f"prices.{kind}"
+    p.write_text(body, encoding="utf-8")
+    qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=4)
+    assert qa.ingest([p]).files[0].status == "added"
+    assert qa.store.n_chunks() > 2
+    for retriever in ("bm25", "hybrid"):
+        top = qa.retrieve("What is the unit price of SKU-0057?", top_k=1, retriever=retriever)[0]
+        assert "SKU-0057" in top.text
+        assert "Unit price" in top.header + top.text
+    # the LLM reads the header too: it is in the passage's prompt text
+    from ldqa.app.prompt import build_prompt
+
+    seg = build_prompt(qa.llm.tokenizer, [top], "?")
+    assert "Unit price" in qa.llm.tokenizer.decode(seg.passages[0])
