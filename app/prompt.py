@@ -93,3 +93,60 @@ def build_prompt(tokenizer, passages, question: str, instruction: str | None = N
     headers = [tokenizer.encode(header_text(i + 1)) for i in range(len(passages))]
     blocks = [tokenizer.encode(passage_text(p.title, p.text, p.page, getattr(p, "header", ""))) for p in passages]
     return PromptSegments(prefix, headers, blocks, tokenizer.encode(question_text(question, answer_prefix)))
+
+
+class PromptTooLongError(ValueError):
+    """The question (with the instruction and the answer budget) does not fit the model's context window,
+    or leaves no room for a single passage. Attributes: needed (tokens), context_length (tokens)."""
+
+    def __init__(self, message: str, needed: int, context_length: int) -> None:
+        super().__init__(message)
+        self.needed, self.context_length = needed, context_length
+
+
+def fit_passages(tokenizer, passages: list, question: str, context_length: int, answer_tokens: int,
+                 instruction: str | None = None, answer_prefix: str = "") -> tuple[list, PromptSegments, int]:
+    """Keep as many of `passages` (best first) as fit the model's window; drop from the lowest-ranked.
+
+    The prompt is counted in the model's own tokens as `build_prompt` makes it (BOS, instruction, every
+    passage's header and body, the question segment), plus `answer_tokens` reserved for the answer
+    (max_new_tokens); it must be at most `context_length` (the model's `max_position_embeddings`).
+    Passage headers ("Passage [n]") depend only on the rank, so dropping the last passages leaves the
+    others' tokens unchanged. Returns (kept passages, their PromptSegments, prompt tokens without the
+    answer budget).
+
+    Raises PromptTooLongError when the prompt without any passage plus the answer budget is over the
+    window (the question itself is too long: it is never cut), or when not even the best passage fits
+    beside it.
+    """
+    seg = build_prompt(tokenizer, passages, question, instruction, answer_prefix)
+    base = len(seg.prefix) + len(seg.question)
+    sizes = [len(h) + len(p) for h, p in zip(seg.headers, seg.passages)]
+    room = context_length - answer_tokens - base
+    if room < 0 or (passages and room < sizes[0]):
+        what = ("the question" if room < 0 else "the question leaves no room for a passage: the best one needs "
+                f"{sizes[0]} tokens more, and")
+        raise PromptTooLongError(
+            f"{what} (with the instruction and {answer_tokens} tokens reserved for the answer) needs "
+            f"{base + answer_tokens + (sizes[0] if room >= 0 else 0)} tokens, over the model's context window "
+            f"of {context_length} tokens; shorten the question or lower max_new_tokens",
+            base + answer_tokens, context_length)
+    keep, used = 0, 0
+    while keep < len(sizes) and used + sizes[keep] <= room:
+        used += sizes[keep]
+        keep += 1
+    if keep == len(passages):
+        return list(passages), seg, base + used
+    kept = list(passages[:keep])
+    return kept, PromptSegments(seg.prefix, seg.headers[:keep], seg.passages[:keep], seg.question), base + used
+
+
+def truncate_middle(ids: list[int], max_tokens: int) -> list[int]:
+    """LongBench's truncation (THUDM/LongBench pred.py): a token sequence over `max_tokens` keeps its first
+    and last max_tokens // 2 tokens (the middle goes); shorter ones are returned unchanged."""
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be >= 2, got {max_tokens!r}")
+    if len(ids) <= max_tokens:
+        return list(ids)
+    half = max_tokens // 2
+    return list(ids[:half]) + list(ids[len(ids) - half:])

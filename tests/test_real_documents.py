@@ -329,3 +329,54 @@ def test_question_about_a_bottom_row_retrieves_a_chunk_that_names_the_columns(ti
 
     seg = build_prompt(qa.llm.tokenizer, [top], "?")
     assert "Unit price" in qa.llm.tokenizer.decode(seg.passages[0])
+
+
+# ------------------------------------------------------------------------------------ prompt budget
+from ldqa.app.prompt import PromptTooLongError, build_prompt, fit_passages, truncate_middle  # noqa: E402
+
+
+class _CharTok:
+    """One token per character, BOS id 1."""
+
+    bos_id = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def _passages(n: int, size: int = 100) -> list:
+    from ldqa.app.api import Passage
+
+    return [Passage(f"T{i}", chr(ord("a") + i) * size) for i in range(n)]
+
+
+def test_fit_passages_drops_from_the_lowest_ranked():
+    tok, ps = _CharTok(), _passages(6)
+    full = build_prompt(tok, ps, "Why?")
+    n_full = len(full.ids())
+    kept, seg, n = fit_passages(tok, ps, "Why?", n_full + 16, 16)
+    assert kept == ps and n == n_full and seg.ids() == full.ids()
+    kept, seg, n = fit_passages(tok, ps, "Why?", n_full + 15, 16)  # one token short: the last one goes
+    assert kept == ps[:5] and seg.ids() == build_prompt(tok, ps[:5], "Why?").ids() and n == len(seg.ids())
+    kept, seg, n = fit_passages(tok, ps, "Why?", n_full - 250, 16)
+    assert kept == ps[:len(kept)] and n + 16 <= n_full - 250 and len(kept) == 3
+
+
+def test_a_question_that_cannot_fit_is_a_clear_error():
+    tok, ps = _CharTok(), _passages(3)
+    long_q = "Why " * 500
+    with pytest.raises(PromptTooLongError, match="over the model's context window of 1000 tokens") as e:
+        fit_passages(tok, ps, long_q, 1000, 64)
+    assert e.value.context_length == 1000 and e.value.needed > 2000
+    alone = len(build_prompt(tok, [], "Why?").ids())
+    with pytest.raises(PromptTooLongError, match="no room for a passage"):
+        fit_passages(tok, ps, "Why?", alone + 64 + 50, 64)  # fits alone, but not with the best passage
+
+
+def test_truncate_middle_is_longbench_rule():
+    ids = list(range(10))
+    assert truncate_middle(ids, 10) == ids
+    assert truncate_middle(ids, 4) == [0, 1, 8, 9]
+    assert truncate_middle(ids, 5) == [0, 1, 8, 9]  # LongBench: int(max/2) from each end
+    with pytest.raises(ValueError):
+        truncate_middle(ids, 1)
