@@ -147,25 +147,32 @@ class LongDocQA:
         quantization, `ldqa.attention.quant`); None = $LDQA_WEIGHTS or `loader.DEFAULT_WEIGHTS`.
     kv_dtype : "fp32" (default) or "bf16", the in-memory KV cache's dtype.
 
+    The model is checked here, cheaply (no weights read): its file or directory exists and reads, and its
+    architecture (a GGUF's `general.architecture`, a directory's config.json `model_type`) is a family the
+    runtime implements. The weights themselves load on first use (`warm_up`, the first answer).
+
     Raises
     ------
     IndexMismatchError : the store was built with another embedding model.
-    ModelLoadError, UnsupportedModelError : the model cannot be found or is not a supported family.
-    WeightFormatError : an unknown weight format, or one this torch build cannot run.
+    ModelLoadError : the model is not found, not installed, or its file cannot be read.
+    UnsupportedModelError : the model's architecture is not a supported family (the message names it and
+        the supported families and weight sources).
+    WeightFormatError : an unknown weight format, float16, or one this torch build cannot run.
+    Answering raises NonFiniteLogitsError (`ldqa.attention.generate`) when the model's logits hold NaN/inf.
     """
 
     def __init__(self, store: str | Path | None = None, model: str | None = None, chunk_tokens: int = 256,
                  overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int = 64,
                  kv_budget_mb: int = 512, weights: str | None = None, kv_dtype: str = "fp32"):
-        from ldqa.attention.loader import DEFAULT_MODEL, check_kv_dtype, check_model_name, default_weights
-        from ldqa.attention.quant import check_format
+        from ldqa.attention.loader import (DEFAULT_MODEL, check_kv_dtype, check_model_name, check_weights,
+                                           default_weights)
         from ldqa.indexes.store import Store, default_store_dir
         from ldqa.retrieval.chunking import ChunkConfig
         from ldqa.retrieval.embedders import Embedder
 
         self.model_name = model or DEFAULT_MODEL
-        check_model_name(self.model_name)
-        self.weights = check_format(weights or default_weights())
+        check_model_name(self.model_name)  # architecture and readability now, not at the first answer
+        self.weights = check_weights(weights or default_weights())
         self.kv_dtype = check_kv_dtype(kv_dtype)
         self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
         self.embedder = Embedder()
@@ -365,9 +372,14 @@ class LongDocQA:
 
     @property
     def llm(self):
+        """The loaded model (`loader.LoadedModel`), loaded on first use. Raises as `loader.load_model`, and
+        WeightFormatError when its tensors were cast to float16 since (`generate.check_model_dtype`)."""
+        from ldqa.attention.generate import check_model_dtype
         from ldqa.attention.loader import load_model
 
-        return load_model(self.model_name, weights=self.weights, kv_dtype=self.kv_dtype)
+        lm = load_model(self.model_name, weights=self.weights, kv_dtype=self.kv_dtype)
+        check_model_dtype(lm.model)
+        return lm
 
     @property
     def retriever(self):
@@ -431,7 +443,9 @@ class LongDocQA:
         start of the answer, after "Answer:" (e.g. 'Corresponding value: "' for key-value retrieval); the
         answer's text is the model's continuation of it (see `ldqa.app.prompt.build_prompt`).
         Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting,
-        instruction/answer_prefix not strings), EmptyCollectionError (nothing ingested yet).
+        instruction/answer_prefix not strings), EmptyCollectionError (nothing ingested yet); while
+        streaming, NonFiniteLogitsError when the model's logits hold NaN/inf (no empty answer is returned
+        as if it were one: the message names the model and weight format and says which to use).
         """
         _check_question(question, top_k, retriever)
         check_prompt_options(instruction, answer_prefix)
@@ -459,7 +473,8 @@ class LongDocQA:
         `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
         passages without a chunk_id are stored but not tied to a document. `attention` and the retrieval
         settings, `instruction`, `answer_prefix`, `debias_orders`, `debias_calibration` and
-        `debias_strength` as in `stream`.
+        `debias_strength` as in `stream`. Raises ValueError (empty question or passages, a bad setting),
+        NonFiniteLogitsError when the model's logits hold NaN/inf.
         """
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question is empty: ask something")
@@ -479,7 +494,8 @@ class LongDocQA:
                                    settings, time.perf_counter()).result()
 
     def warm_up(self) -> None:
-        """Load the embedding model and the LLM now (otherwise the first question pays for it)."""
+        """Load the embedding model and the LLM now (otherwise the first question pays for it). Raises as
+        `llm` (ModelLoadError, UnsupportedModelError, WeightFormatError) when the LLM cannot be loaded."""
         self.embedder.model  # noqa: B018
         self.llm  # noqa: B018
 

@@ -22,7 +22,8 @@ SAMPLE_DIR = Path(__file__).parent / "sample"
 def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
     p.add_argument("--store", help=store_help or "collection directory (default: the user's data dir, ldqa/default)")
     p.add_argument("--model", default=None,
-                   help="gemma3-270m (default), smollm2-135m, a .gguf file or a Hugging Face model directory")
+                   help="gemma3-270m (default), smollm2-135m, or a .gguf file or Hugging Face model directory "
+                        "(config.json + *.safetensors) of a Llama, Qwen2/2.5, Qwen3 or Gemma 3 model")
     p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4"], default=None,
                    help="the LLM's weight format (default: $LDQA_WEIGHTS or ldqa's default; fp32 is the reference)")
     p.add_argument("--kv-dtype", choices=["fp32", "bf16"], default="fp32", help="in-memory KV cache dtype")
@@ -231,17 +232,40 @@ def cmd_eval(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    """`ldqa serve`. The model is checked (file, architecture) by the LongDocQA constructor before anything
+    listens: a bad one exits 2 with the message. The weights then load in the background while the page is
+    up; if that load fails, the server is closed and the command exits 2 with the error (no page that
+    answers HTTP 200 but can never answer a question)."""
     import threading
+    import time
 
     from ldqa.app.ui import UIConfig, build_app, launch, read_auth
 
     cfg = UIConfig(concurrency=args.concurrency, max_upload_mb=args.max_upload_mb, max_new_tokens=args.max_new_tokens)
     auth = read_auth(args.auth_file, os.environ)
-    qa = _qa(args, max_new_tokens=args.max_new_tokens)
-    threading.Thread(target=qa.warm_up, daemon=True).start()  # the page is up while the models load
+    qa = _qa(args, max_new_tokens=args.max_new_tokens)  # raises (exit 2) for a missing/unsupported model
+    app = build_app(qa, cfg)
+    failed: list[Exception] = []
+
+    def warm_up():  # the page is up while the models load; a load that fails stops the server
+        try:
+            qa.warm_up()
+        except Exception as e:
+            failed.append(e)
+            for _ in range(1200):  # close() is a no-op until the app runs: wait (2 minutes at most) for it
+                if app.is_running:
+                    break
+                time.sleep(0.1)
+            app.close(verbose=False)  # launch() below returns
+
+    threading.Thread(target=warm_up, daemon=True).start()
     print(f"ldqa serve: collection {qa.store.path}, model {qa.model_name}; http://{args.host}:{args.port}"
           + (" (login required)" if auth else ""), file=sys.stderr)
-    launch(build_app(qa, cfg), cfg, host=args.host, port=args.port, auth=auth, block=True)
+    launch(app, cfg, host=args.host, port=args.port, auth=auth, block=True)
+    if failed:
+        print(f"ldqa serve: error: model {qa.model_name} could not be loaded, server stopped: {failed[0]}",
+              file=sys.stderr)
+        return 2
     return 0
 
 

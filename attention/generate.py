@@ -10,6 +10,72 @@ import torch
 
 from ldqa.attention.kv_cache import KVCache
 from ldqa.attention.model import Transformer
+from ldqa.attention.quant import WeightFormatError
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model's next-token logits hold NaN or inf (its numbers overflowed, or its weights are damaged):
+    the answer would be garbage or empty. The message names the model, its weight format and KV dtype,
+    where it happened (prefill or decode step) and what to use instead."""
+
+
+def _transformer(model):
+    """The Transformer behind `model` (a Transformer, or a BucketEnsemble of one); None for anything else."""
+    inner = getattr(model, "model", None)
+    if isinstance(model, Transformer):
+        return model
+    return inner if isinstance(inner, Transformer) else None
+
+
+def describe_model(model) -> str:
+    """'model NAME (family, weights FORMAT, KV cache DTYPE)' for error messages (what the loader set)."""
+    tf = _transformer(model)
+    if tf is None:
+        return "the model"
+    kv = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(tf.kv_dtype, str(tf.kv_dtype).replace("torch.", ""))
+    name = getattr(tf, "model_name", None)
+    who = f"model {name!r}" if name else "the model"
+    return f"{who} ({tf.cfg.family}, weights {tf.weight_format}, KV cache {kv})"
+
+
+def check_finite_logits(model, logits: torch.Tensor, where: str) -> None:
+    """Raise NonFiniteLogitsError when the next-token logits `logits` (vocab,) hold NaN or inf. `where`
+    says when ("after the prefill of 812 prompt tokens", "at decode step 3"); the message names the model
+    and says which weight formats to use.
+
+    Cost: one sum over the vocabulary (30 us for Gemma 3's 262K logits; `isfinite(logits).all()` takes
+    440 us, about as long as the argmax): a NaN or inf anywhere makes the sum non-finite, and finite
+    logits cannot sum past fp32's range unless they are already absurd (|logit| > 1e33)."""
+    if bool(torch.isfinite(logits.float().sum())):
+        return
+    tf = _transformer(model)
+    fmt = tf.weight_format if tf is not None else None
+    others = [f for f in ("fp32", "bf16", "int8") if f != fmt]
+    raise NonFiniteLogitsError(
+        f"{describe_model(model)} produced non-finite logits (NaN/inf) {where}: its activations overflowed "
+        f"or its weights hold NaN/inf, so no answer can be read from them. Load it with weights "
+        f"{' or '.join(repr(f) for f in others)} and kv_dtype 'fp32' (CLI: --weights {others[0]} --kv-dtype fp32); "
+        "if every format fails, the model file is damaged: download it again")
+
+
+def check_model_dtype(model) -> None:
+    """Refuse a model whose tensors were cast to float16 (`.half()`, `.to(torch.float16)`): ldqa's runtime
+    has no float16 path, and Gemma 3's activations exceed float16's range (65504), which turns its logits
+    into NaN. Raises WeightFormatError naming the model and the formats to load it in instead (looks at
+    the final norm, embedding, LM head and first layer: microseconds)."""
+    tf = _transformer(model)
+    if tf is None:
+        return
+    first = tf.model.layers[0] if len(tf.model.layers) else tf.model.norm
+    probe = (tf.model.norm.weight, *tf.model.embed_tokens.buffers(), *tf.lm_head.buffers(), *first.parameters(),
+             *first.buffers())  # what .half() / .to(torch.float16) cast; not every tensor (1 ms on Gemma 3)
+    if not any(t is not None and t.dtype == torch.float16 for t in probe):
+        return
+    why = ("Gemma 3's activations exceed float16's range (65504) and its logits become NaN"
+           if tf.cfg.family == "gemma3" else "ldqa's runtime computes in fp32/bf16 only")
+    raise WeightFormatError(f"{describe_model(model)} holds float16 tensors (cast with .half() or "
+                            f".to(torch.float16)?): {why}. Do not cast it: load it with weights 'bf16' (the "
+                            "size of float16, fp32's range), 'int8' or 'fp32'")
 
 
 @dataclass
@@ -87,6 +153,9 @@ class Generation:
         t_first = None
         sent = 0  # characters of self.text already yielded
         for step in range(self.cfg.max_new_tokens):
+            where = f"after the prefill of {self.stats.prompt_tokens} prompt tokens" if step == 0 else \
+                f"at decode step {step}"
+            check_finite_logits(self.model, logits[0, -1], where)
             tok = sample(logits[0, -1], self.cfg, gen)
             if t_first is None:
                 t_first = time.perf_counter()
@@ -166,7 +235,10 @@ class BucketEnsemble:
 def continue_generation(model: Transformer, cache: KVCache, logits: torch.Tensor, decode_fn, eos_ids,
                         cfg: SamplingConfig, t0: float) -> Generation:
     """A Generation whose prompt is already in `cache` and whose next-token `logits` (1, 1, vocab) are
-    known (Block-Attention's assembled prefill). TTFT counts from `t0`."""
+    known (Block-Attention's assembled prefill). TTFT counts from `t0`. Raises WeightFormatError for a
+    model cast to float16 (`check_model_dtype`); iterating raises NonFiniteLogitsError when the logits of
+    the prefill or of a decode step hold NaN/inf."""
+    check_model_dtype(model)
     stats = GenerationStats(prompt_tokens=cache.length, prefill_ms=(time.perf_counter() - t0) * 1000)
     return Generation(model, decode_fn, set(eos_ids), cfg, cache, logits, stats, t0)
 
@@ -177,10 +249,13 @@ def start_generation(model: Transformer, prompt_ids: list[int], decode_fn, eos_i
 
     prompt_ids: the tokens to prefill (after any `prefix_len` tokens already in `cache`, whose next
     position continues the sequence); decode_fn: list[int] -> str; eos_ids: token ids that end the answer.
-    Raises ValueError on an empty prompt.
+    Raises ValueError on an empty prompt, WeightFormatError for a model cast to float16
+    (`check_model_dtype`); iterating raises NonFiniteLogitsError when the logits of the prefill or of a
+    decode step hold NaN/inf.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: nothing to prefill")
+    check_model_dtype(model)
     t0 = time.perf_counter() if t0 is None else t0
     if cache is None:
         cache = model.new_cache(capacity=len(prompt_ids) + cfg.max_new_tokens + 8)

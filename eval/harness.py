@@ -503,8 +503,14 @@ class HFReference:
 
 
 def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> dict:
-    """Answer example `ex` in `mode` through the public API; the result row (prediction, score, timings)."""
-    passages, row = ex["passages"], {}
+    """Answer example `ex` in `mode` through the public API; the result row (prediction, score, timings).
+
+    A model whose logits turn NaN/inf (`NonFiniteLogitsError`) gives an error row: "error" holds the
+    message, "score" and the timings are None (`run` leaves it out of the accuracy and does not cache
+    it), never an empty prediction scored as a wrong answer. Other errors propagate."""
+    from ldqa.attention.generate import NonFiniteLogitsError
+
+    passages, row, error = ex["passages"], {}, None
     if cfg.benchmark == "retrieval":
         t0 = time.perf_counter()
         hits = qa.retrieve(ex["question"], top_k=max(10, cfg.top_k), retriever=mode.retriever)
@@ -518,17 +524,21 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
             text, t = hf.answer(ex["question"], passages, max_new, **prompt)
         else:
             kw = {"recompute_ratio": cfg.recompute_ratio} if mode.attention == "block+recompute" else {}
-            ans = qa.answer(ex["question"], passages, attention=mode.attention, max_new_tokens=max_new,
-                            debias=mode.debias, **prompt, **kw)
-            text, t, used = ans.text, ans.timings, ans.settings.get("attention_used", mode.attention)
+            try:
+                ans = qa.answer(ex["question"], passages, attention=mode.attention, max_new_tokens=max_new,
+                                debias=mode.debias, **prompt, **kw)
+                text, t, used = ans.text, ans.timings, ans.settings.get("attention_used", mode.attention)
+            except NonFiniteLogitsError as e:  # an error row, not a wrong answer
+                text, t, error = "", {}, str(e)
     meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers", "instruction",
                                                      "answer_prefix")}
     return {"mode": mode.label, "example_id": ex["id"], **meta, "question": ex["question"],
-            "answers": ex["answers"], "prediction": text, "score": score(cfg.benchmark, text, ex["answers"]),
+            "answers": ex["answers"], "prediction": text,
+            "score": None if error else score(cfg.benchmark, text, ex["answers"]),
             **row, **{k: t.get(k) for k in ("ttft_ms", "tokens_per_s", "prompt_tokens", "generated_tokens",
                                             "total_ms")},
             "peak_mb": mem.peak, **({"gpu_peak_mb": mem.gpu_mb} if mem.gpu_mb is not None else {}),
-            "attention_used": used, "n_passages": len(passages)}
+            "attention_used": used, "n_passages": len(passages), **({"error": error} if error else {})}
 
 
 # ------------------------------------------------------------------------------------------ the cache
@@ -599,7 +609,9 @@ def mode_cache_key(m: Mode, retrieval_config=None) -> str:
 def run(cfg: EvalConfig) -> dict:
     """Evaluate every mode on the benchmark's examples; write results, summary and plots to `cfg.out`.
 
-    Returns the results dict (also ``results.json``) with ``computed`` and ``cached`` row counts.
+    Returns the results dict (also ``results.json``) with ``computed`` and ``cached`` row counts, and
+    ``errors``: answers that failed (the model's logits turned NaN/inf), kept in ``rows`` with their
+    ``error`` and counted per mode, but left out of the summaries and not cached.
 
     Raises
     ------
@@ -640,10 +652,16 @@ def run(cfg: EvalConfig) -> dict:
 
     bar = tqdm(total=len(todo), desc=f"eval {cfg.benchmark}", unit="answer", file=sys.stderr,
                disable=not cfg.progress)
+    errors: list[dict] = []  # rows whose answer failed (see answer_one): recorded, left out of the accuracy
     try:
         for ex, m in todo:
             row = answer_one(qa, hf, cfg, ex, m, max_new)
-            row["created_at"] = cache.put(config, cfg.benchmark, mode_cache_key(m), ex["id"], row)
+            if row.get("error"):  # not cached: a rerun (other weights, a fixed model) answers it again
+                errors.append(row)
+                if len(errors) == 1:
+                    print(f"\nldqa eval: {m.label} on {ex['id']}: error: {row['error']}", file=sys.stderr)
+            else:
+                row["created_at"] = cache.put(config, cfg.benchmark, mode_cache_key(m), ex["id"], row)
             rows[(ex["id"], m)] = row
             bar.update(1)
     except KeyboardInterrupt:
@@ -654,11 +672,15 @@ def run(cfg: EvalConfig) -> dict:
         bar.close()
         cache.close()
     ordered = [rows[(ex["id"], m)] for ex in examples for m in modes]
+    scored = [r for r in ordered if not r.get("error")]
     result = {"benchmark": cfg.benchmark, "metric": METRIC[cfg.benchmark], "model": qa.model_name,
               "settings": asdict(cfg) | {"max_new_tokens": max_new, "settings_hash": config, "weights": qa.weights},
-              "modes": [summarize([r for r in ordered if r["mode"] == m.label], cfg.benchmark) | {"mode": m.label}
-                        for m in modes],
-              "computed": len(todo), "cached": n_cached, "rows": ordered}
+              "modes": [summarize([r for r in scored if r["mode"] == m.label], cfg.benchmark)
+                        | {"mode": m.label, "errors": sum(r["mode"] == m.label for r in errors)} for m in modes],
+              "computed": len(todo), "cached": n_cached, "errors": len(errors), "rows": ordered}
+    if errors:
+        print(f"ldqa eval: {len(errors)} of {len(todo)} answers failed (the first error is above); they are "
+              f"in results.json/results.csv with their 'error', not scored and not cached", file=sys.stderr)
     write_outputs(result, out)
     return result
 
