@@ -98,6 +98,11 @@ class Answer:
     (k,) (the intervention's scale per passage), and with settings["debias_orders"] == 2
     passage_attention_reversed (k,) (each passage's mass measured with the order reversed). These
     per-passage lists follow `passages` (the final order).
+    Prompt budget: settings["context_length"] is the model's window (tokens) and
+    settings["passages_dropped"] how many of the lowest-ranked passages were left out so that the prompt
+    plus the answer budget (max_new_tokens) fit it (`ldqa.app.prompt.fit_passages`); `passages` holds
+    only those given to the model. settings["max_new_tokens"]: the answer budget used; `truncated`: the
+    answer stopped there (timings["stop_reason"] == "max_new_tokens"), not at its end.
     """
 
     question: str
@@ -106,6 +111,25 @@ class Answer:
     passages: list
     timings: dict
     settings: dict
+
+    @property
+    def truncated(self) -> bool:
+        """Whether generation stopped at max_new_tokens (the answer may be cut short)."""
+        return self.timings.get("stop_reason") == "max_new_tokens"
+
+    @property
+    def notice(self) -> str:
+        """What a reader should know about how this answer was made ("" when nothing): a cut answer, or
+        passages left out to fit the model's window."""
+        parts = []
+        if self.truncated:
+            parts.append(f"the answer was cut at max_new_tokens={self.settings.get('max_new_tokens')} tokens "
+                         "(raise max_new_tokens for a longer one)")
+        dropped = self.settings.get("passages_dropped", 0)
+        if dropped:
+            parts.append(f"{dropped} lowest-ranked passage{'s' if dropped > 1 else ''} left out to fit the "
+                         f"model's context window of {self.settings.get('context_length')} tokens")
+        return "; ".join(parts)
 
     def to_dict(self) -> dict:
         return {"question": self.question, "text": self.text,
@@ -442,8 +466,13 @@ class LongDocQA:
         instruction: the prompt's instruction (default `ldqa.app.prompt.INSTRUCTION`); answer_prefix: the
         start of the answer, after "Answer:" (e.g. 'Corresponding value: "' for key-value retrieval); the
         answer's text is the model's continuation of it (see `ldqa.app.prompt.build_prompt`).
+        The prompt is counted in the model's tokens before anything is computed: when it and
+        max_new_tokens do not fit the model's window, the lowest-ranked passages are left out
+        (settings["passages_dropped"]).
         Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting,
-        instruction/answer_prefix not strings), EmptyCollectionError (nothing ingested yet); while
+        instruction/answer_prefix not strings), PromptTooLongError (a ValueError: the question with the
+        instruction and max_new_tokens does not fit the model's window, or leaves no room for one
+        passage), EmptyCollectionError (nothing ingested yet); while
         streaming, NonFiniteLogitsError when the model's logits hold NaN/inf (no empty answer is returned
         as if it were one: the message names the model and weight format and says which to use).
         """
@@ -542,10 +571,28 @@ class LongDocQA:
                 log.warning("%s: only the calibrate methods use %s; ignored with debias=%r",
                             ", ".join(f"{k}={v!r}" for k, v in ignored.items()),
                             "it" if len(ignored) == 1 else "them", settings.get("debias"))
+        max_new = max_new or self.max_new_tokens
+        passages = self._fit_window(question, passages, max_new, settings)
         stream = AnswerStream(iter(()))
-        stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings,
-                                        max_new or self.max_new_tokens, t0, rcfg)
+        stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings, max_new, t0, rcfg)
         return stream
+
+    def _fit_window(self, question, passages, max_new, settings) -> list:
+        """The passages that fit the model's window with the question and `max_new` answer tokens (the
+        lowest-ranked dropped first), recorded in `settings`. Raises PromptTooLongError (a ValueError)
+        when the question cannot fit, before anything is computed."""
+        from ldqa.app.prompt import fit_passages
+
+        llm = self.llm
+        window = int(llm.model.cfg.max_position_embeddings)
+        kept, _, n_prompt = fit_passages(llm.tokenizer, passages, question, window, max_new,
+                                         settings.get("instruction"), settings.get("answer_prefix", ""))
+        settings.update(max_new_tokens=max_new, context_length=window, passages_dropped=len(passages) - len(kept))
+        if len(kept) < len(passages):
+            log.warning("prompt over the model's window of %d tokens (%d reserved for the answer): %d "
+                        "lowest-ranked passage(s) left out, %d kept (%d prompt tokens)", window, max_new,
+                        len(passages) - len(kept), len(kept), n_prompt)
+        return kept
 
     def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0, rcfg=None):
         from ldqa.attention.generate import SamplingConfig, continue_generation

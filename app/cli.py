@@ -171,6 +171,8 @@ def cmd_ask(args) -> int:
 
 
 def print_answer_details(ans) -> None:
+    if ans.notice:
+        print(f"  note: {ans.notice}")
     for c in ans.citations:
         page = f", page {c.page}" if c.page else ""
         print(f"  [{c.n}] {c.title} ({Path(c.path).name}{page}, chars {c.start}-{c.end}; {c.method})")

@@ -181,6 +181,10 @@ class Server:
                 text += piece
                 history[-1] = {"role": "assistant", "content": html.escape(text) + " ▍"}
                 yield history, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        except Exception as e:  # e.g. non-finite logits mid-answer: say so in the chat, not in a toast
+            history[-1] = {"role": "assistant", "content": _ask_error(e)}
+            yield history, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
         finally:
             pieces.close()  # a closed session releases the model lock
         ans = stream.answer
@@ -223,6 +227,8 @@ def answer_markdown(ans) -> str:
         text += " " + "".join(f"[{n}]" for n in missing)
     if not ans.citations:
         text += "\n\n_No retrieved passage supports this answer verbatim: check the passages on the right._"
+    if getattr(ans, "notice", ""):
+        text += f"\n\n_Note: {html.escape(ans.notice)}._"
     return text + "\n\n" + timing_line(ans)
 
 

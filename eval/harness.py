@@ -102,6 +102,10 @@ class EvalConfig:
     weights : the LLM's weight format (`LongDocQA`'s default when None); part of the model fingerprint,
         so each format's answers are cached apart.
     max_new_tokens : answer cap; None = the benchmark's default (`DEFAULT_MAX_NEW`).
+    max_length : jsonl: a record's ``context`` is cut in its middle (LongBench's truncation, pred.py: the
+        first and last halves kept) until the built prompt plus the answer budget is at most this many
+        tokens; the row logs ``context_tokens_cut`` and its final ``prompt_tokens``. None = no cut (the
+        API still leaves out the last passages that do not fit the model's window).
     """
 
     benchmark: str
@@ -125,6 +129,7 @@ class EvalConfig:
     niah_config: str | None = None
     recompute_ratio: float | None = None
     progress: bool = True
+    max_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -223,7 +228,7 @@ def _validate(cfg: EvalConfig) -> list[Mode]:
                          + (" (a directory of .txt files)" if cfg.benchmark == "niah" else ""))
     if cfg.limit is not None and cfg.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {cfg.limit}")
-    for name in ("n_passages", "top_k", "passage_tokens", "kv_keys", "max_new_tokens"):
+    for name in ("n_passages", "top_k", "passage_tokens", "kv_keys", "max_new_tokens", "max_length"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.niah_config and not Path(cfg.niah_config).exists():
@@ -345,19 +350,58 @@ def _jsonl(cfg: EvalConfig, qa) -> list[dict]:
         answers = [answers] if isinstance(answers, str) else list(answers or [])
         if not question or not answers:
             raise ValueError(f"--data {cfg.data}, record {i + 1}: needs a question (or input) and answers")
+        skip, cut = None, 0
         if r.get("passages"):
             passages = [p if isinstance(p, dict) else {"title": f"Passage {j + 1}", "text": p}
                         for j, p in enumerate(r["passages"])]
         elif r.get("context"):
             tok = qa.llm.tokenizer
-            passages = [{"title": "Context", "text": t}
-                        for t in split_tokens(tok, tok.encode(r["context"]), cfg.passage_tokens)]
+            texts, cut = split_tokens(tok, tok.encode(r["context"]), cfg.passage_tokens), 0
+            if cfg.max_length is not None:
+                try:
+                    texts, cut = fit_context(tok, r["context"], question, cfg.passage_tokens,
+                                             cfg.max_length - (cfg.max_new_tokens or DEFAULT_MAX_NEW["jsonl"]))
+                except ValueError as e:  # this record's question cannot fit: an error row, the rest go on
+                    skip = str(e)
+            passages = [{"title": "Context", "text": t} for t in texts]
         else:
             raise ValueError(f"--data {cfg.data}, record {i + 1}: needs context or passages")
         ex_id = str(r.get("_id") or r.get("id") or f"line{i + 1}")
         out.append({"id": ex_id, "record": i, "question": question, "answers": answers, "passages": passages,
-                    **({"length": r["length"]} if "length" in r else {})})
+                    **({"length": r["length"]} if "length" in r else {}),
+                    **({"context_tokens_cut": cut} if cfg.max_length is not None else {}),
+                    **({"skip_reason": skip} if skip else {})})
     return out
+
+
+def fit_context(tok, context: str, question: str, passage_tokens: int, budget: int) -> tuple[list[str], int]:
+    """Passages of a long `context` whose prompt (`build_prompt`, default instruction) is at most `budget`
+    tokens, cutting the context's middle as LongBench does (`prompt.truncate_middle`). Returns (passage
+    texts, context tokens cut). Raises ValueError when even an empty context does not fit `budget`."""
+    from types import SimpleNamespace
+
+    from ldqa.app.prompt import build_prompt, truncate_middle
+
+    ids = tok.encode(context)
+    n_ctx = len(ids)
+    base = len(build_prompt(tok, [], question).ids())  # instruction + question, no passage
+    if base >= budget:
+        raise ValueError(f"--max-length: the question alone takes {base} prompt tokens, over the budget of "
+                         f"{budget} (max length minus the answer budget); raise --max-length")
+    for _ in range(8):  # decoding and re-encoding the pieces may shift the count by a few tokens
+        texts = split_tokens(tok, ids, passage_tokens)
+        n = len(build_prompt(tok, [SimpleNamespace(title="Context", text=t, page=None) for t in texts],
+                             question).ids())
+        if n <= budget:
+            return texts, n_ctx - len(ids)
+        frame = max(0.0, (n - base - len(ids)) / max(1, len(texts)))  # tokens each piece's framing adds
+        keep = int((budget - base) / (1 + frame / passage_tokens) - frame) - 1
+        keep = min(keep, len(ids) - 1)
+        if keep < 2:
+            raise ValueError(f"--max-length: the question leaves {budget - base} prompt tokens, too few for "
+                             f"any of the context; raise --max-length")
+        ids = truncate_middle(ids, keep)
+    raise ValueError(f"--max-length: could not fit the context into {budget} prompt tokens")
 
 
 def _retrieval(cfg: EvalConfig, qa) -> list[dict]:
@@ -505,12 +549,13 @@ class HFReference:
 def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> dict:
     """Answer example `ex` in `mode` through the public API; the result row (prediction, score, timings).
 
-    A model whose logits turn NaN/inf (`NonFiniteLogitsError`) gives an error row: "error" holds the
-    message, "score" and the timings are None (`run` leaves it out of the accuracy and does not cache
+    A model whose logits turn NaN/inf (`NonFiniteLogitsError`), or a question that does not fit the
+    model's window (`PromptTooLongError`), gives an error row: "error" holds the message, "score" and the timings are None (`run` leaves it out of the accuracy and does not cache
     it), never an empty prediction scored as a wrong answer. Other errors propagate."""
+    from ldqa.app.prompt import PromptTooLongError
     from ldqa.attention.generate import NonFiniteLogitsError
 
-    passages, row, error = ex["passages"], {}, None
+    passages, row, error = ex["passages"], {}, ex.get("skip_reason")
     if cfg.benchmark == "retrieval":
         t0 = time.perf_counter()
         hits = qa.retrieve(ex["question"], top_k=max(10, cfg.top_k), retriever=mode.retriever)
@@ -520,7 +565,9 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
     used = mode.attention
     prompt = {"instruction": ex.get("instruction"), "answer_prefix": ex.get("answer_prefix", "")}
     with PeakMemory() as mem:
-        if mode.attention == "hf":
+        if error:  # refused while the example was built (e.g. a question over --max-length)
+            text, t = "", {}
+        elif mode.attention == "hf":
             text, t = hf.answer(ex["question"], passages, max_new, **prompt)
         else:
             kw = {"recompute_ratio": cfg.recompute_ratio} if mode.attention == "block+recompute" else {}
@@ -528,15 +575,17 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
                 ans = qa.answer(ex["question"], passages, attention=mode.attention, max_new_tokens=max_new,
                                 debias=mode.debias, **prompt, **kw)
                 text, t, used = ans.text, ans.timings, ans.settings.get("attention_used", mode.attention)
-            except NonFiniteLogitsError as e:  # an error row, not a wrong answer
-                text, t, error = "", {}, str(e)
+                t = {**t, "passages_dropped": ans.settings.get("passages_dropped", 0)}
+            except (NonFiniteLogitsError, PromptTooLongError) as e:  # an error row, not a wrong answer
+                text, t, error = "", {}, f"{type(e).__name__}: {e}"
     meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers", "instruction",
-                                                     "answer_prefix")}
+                                                     "answer_prefix", "skip_reason")}
     return {"mode": mode.label, "example_id": ex["id"], **meta, "question": ex["question"],
             "answers": ex["answers"], "prediction": text,
             "score": None if error else score(cfg.benchmark, text, ex["answers"]),
             **row, **{k: t.get(k) for k in ("ttft_ms", "tokens_per_s", "prompt_tokens", "generated_tokens",
                                             "total_ms")},
+            **({"passages_dropped": t["passages_dropped"]} if t.get("passages_dropped") else {}),
             "peak_mb": mem.peak, **({"gpu_peak_mb": mem.gpu_mb} if mem.gpu_mb is not None else {}),
             "attention_used": used, "n_passages": len(passages), **({"error": error} if error else {})}
 
@@ -581,6 +630,8 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int) -> str:
            cfg.top_k, cfg.passage_tokens, niah, cfg.recompute_ratio]
     if cfg.benchmark == "kv-retrieval":  # the task's own prompt (added after the first kv runs: new hash)
         key.append([KV_INSTRUCTION, KV_ANSWER_PREFIX])
+    if cfg.max_length is not None:  # (added later: unset keeps the earlier hashes)
+        key.append(["max_length", cfg.max_length])
     return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
 
 
@@ -844,6 +895,8 @@ def add_arguments(p) -> None:
     p.add_argument("--passage-tokens", type=int, default=512, help="niah, jsonl: tokens per passage of a long text")
     p.add_argument("--niah-config", default=None, help="niah: JSON with needle, question, answers")
     p.add_argument("--recompute-ratio", type=float, default=None, help="block+recompute: fraction recomputed")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="jsonl: cut each context's middle (LongBench) so prompt + answer budget fit this many tokens")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 

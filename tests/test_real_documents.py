@@ -380,3 +380,71 @@ def test_truncate_middle_is_longbench_rule():
     assert truncate_middle(ids, 5) == [0, 1, 8, 9]  # LongBench: int(max/2) from each end
     with pytest.raises(ValueError):
         truncate_middle(ids, 1)
+
+
+# ------------------------------------------------------------- the budget through the API, CLI, UI, eval
+def test_api_drops_lowest_ranked_passages_to_fit_the_window(tiny_model_dir, tmp_path):
+    from ldqa.app.api import LongDocQA
+
+    sample = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
+    qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=8)
+    qa.ingest([sample])
+    full = qa.ask("What torque for the fan hub bolts?", top_k=6)
+    assert full.settings["passages_dropped"] == 0 and len(full.passages) == 6
+    assert full.settings["context_length"] == 4096 and full.settings["max_new_tokens"] == 8
+    window = full.timings["prompt_tokens"] - 200  # made-up small window: the full prompt no longer fits
+    qa.llm.model.cfg.max_position_embeddings = window
+    cut = qa.ask("What torque for the fan hub bolts?", top_k=6)
+    dropped = cut.settings["passages_dropped"]
+    assert dropped >= 1 and len(cut.passages) == 6 - dropped
+    assert [p.chunk_id for p in cut.passages] == [p.chunk_id for p in full.passages[:6 - dropped]]
+    assert cut.timings["prompt_tokens"] + 8 <= window
+    assert "left out to fit the model's context window" in cut.notice
+    with pytest.raises(PromptTooLongError, match="shorten the question"):
+        qa.stream("why " * window, top_k=2)  # raised before anything is computed
+
+
+def _answer(stop_reason: str, dropped: int = 0):
+    from ldqa.app.api import Answer
+
+    return Answer("q?", "An answer that goes on", [], [], {"stop_reason": stop_reason, "retrieval_ms": 1.0,
+                                                           "ttft_ms": 2.0, "tokens_per_s": 3.0, "prompt_tokens": 9,
+                                                           "total_ms": 5.0},
+                  {"max_new_tokens": 64, "passages_dropped": dropped, "context_length": 8192})
+
+
+def test_truncation_notice_in_answer_cli_and_ui(capsys):
+    from ldqa.app.cli import print_answer_details
+    from ldqa.app.ui import answer_markdown
+
+    cut, whole = _answer("max_new_tokens"), _answer("eos")
+    assert cut.truncated and not whole.truncated
+    assert "cut at max_new_tokens=64" in cut.notice and whole.notice == ""
+    print_answer_details(cut)
+    assert "note: the answer was cut at max_new_tokens=64" in capsys.readouterr().out
+    print_answer_details(whole)
+    assert "note:" not in capsys.readouterr().out
+    assert "cut at max_new_tokens=64" in answer_markdown(cut) and "Note:" not in answer_markdown(whole)
+    both = _answer("max_new_tokens", dropped=2)
+    assert "2 lowest-ranked passages left out" in answer_markdown(both)
+
+
+def test_eval_jsonl_max_length_cuts_the_middle_and_logs_rows(tmp_path, tiny_model_dir):
+    import json
+
+    from ldqa.eval.harness import EvalConfig, run
+
+    data = tmp_path / "lb.jsonl"
+    ctx = " ".join(f"Sentence {i} is about the kiln." for i in range(300))
+    records = [{"_id": "long", "input": "What colour is the kiln?", "answers": ["blue"],
+                "context": "The kiln is blue. " + ctx + " The end."},
+               {"_id": "short", "input": "Who?", "answers": ["Ada"], "context": "Ada wrote it."},
+               {"_id": "toolong", "input": "Why " * 400 + "?", "answers": ["x"], "context": "Some context."}]
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    res = run(EvalConfig(benchmark="jsonl", data=str(data), out=str(tmp_path / "out"),
+                         model=str(tiny_model_dir("gemma3")), max_length=300, max_new_tokens=8, passage_tokens=64,
+                         progress=False))
+    rows = {r["example_id"]: r for r in res["rows"]}
+    assert rows["long"]["context_tokens_cut"] > 1000 and rows["long"]["prompt_tokens"] + 8 <= 300
+    assert rows["short"]["context_tokens_cut"] == 0
+    assert rows["toolong"]["error"].startswith("--max-length") and rows["toolong"]["score"] is None
