@@ -29,6 +29,7 @@ ATTENTION_MODES = ("full", "block", "block+recompute", "retrieval")
 # Bytes of KV cache copies that `LongDocQA` keeps (least recently used first out) to reuse identical exact
 # prefills: another debias method on the same prompt, the same question asked again.
 PREFILL_MEMO_BYTES = 256 << 20
+DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collection sets one
 
 
 @dataclass
@@ -165,7 +166,8 @@ class LongDocQA:
     model : "gemma3-270m" (default), "smollm2-135m", a .gguf file or a Hugging Face model directory.
     chunk_tokens, overlap_tokens : chunk size and overlap, in the LLM tokenizer's tokens.
     index : "flat" (exact inner product, default) or "hnsw" (approximate, for large collections).
-    max_new_tokens : answer length cap (tokens).
+    max_new_tokens : answer length cap (tokens); None = the collection's saved setting
+        (`save_answer_settings`, kept in the store) or `DEFAULT_MAX_NEW_TOKENS` (64).
     kv_budget_mb : in-memory budget of the KV block store (MB); blocks also persist under <store>/kv.
     weights : the LLM's weight format, "fp32" (reference), "bf16", "int8" or "int4" (weight-only
         quantization, `ldqa.attention.quant`); None = $LDQA_WEIGHTS or `loader.DEFAULT_WEIGHTS`.
@@ -186,7 +188,7 @@ class LongDocQA:
     """
 
     def __init__(self, store: str | Path | None = None, model: str | None = None, chunk_tokens: int = 256,
-                 overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int = 64,
+                 overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int | None = None,
                  kv_budget_mb: int = 512, weights: str | None = None, kv_dtype: str = "fp32"):
         from ldqa.attention.loader import (DEFAULT_MODEL, check_kv_dtype, check_model_name, check_weights,
                                            default_weights)
@@ -202,7 +204,9 @@ class LongDocQA:
         self.embedder = Embedder()
         self.store = Store(Path(store) if store else default_store_dir(), self.embedder.name,
                            self.embedder.dim, index_kind=index)
-        self.max_new_tokens = max_new_tokens
+        saved = self.store.answer_settings().get("max_new_tokens")
+        self.max_new_tokens = _check_max_new(max_new_tokens if max_new_tokens is not None else
+                                             saved or DEFAULT_MAX_NEW_TOKENS)
         self._ingest_lock = threading.Lock()
         self._generate_lock = threading.Lock()  # one generation at a time per model (CPU-bound anyway)
         self._retriever = None
@@ -521,6 +525,13 @@ class LongDocQA:
                     **_prompt_settings(instruction, answer_prefix)}
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
                                    settings, time.perf_counter()).result()
+
+    def save_answer_settings(self, max_new_tokens: int) -> dict:
+        """Keep `max_new_tokens` with the collection (its store's meta table), so every later
+        `LongDocQA` on this store, the CLI and the web app start from it; also this object's default now.
+        Returns the collection's saved answer settings. Raises ValueError for max_new_tokens < 1."""
+        self.max_new_tokens = _check_max_new(max_new_tokens)
+        return self.store.set_answer_settings(max_new_tokens=self.max_new_tokens)
 
     def warm_up(self) -> None:
         """Load the embedding model and the LLM now (otherwise the first question pays for it). Raises as
@@ -875,6 +886,12 @@ class LongDocQA:
                                       tokens_reused=fs.tokens_reused, tokens_computed=fs.tokens_computed,
                                       encode_ms=fs.encode_ms + ctx.block_stats.encode_ms)
         return ctx, passages, out
+
+
+def _check_max_new(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
+    return n
 
 
 def _prompt_settings(instruction, answer_prefix) -> dict:

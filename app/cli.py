@@ -89,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "question is computed fresh) or fresh (headers computed with the question)")
         p.add_argument("--recompute-ratio", type=float, default=None,
                        help="fraction of each passage's tokens recomputed in block+recompute (default 0.15)")
-        p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--max-new-tokens", type=int, default=None,
+                       help="answer cap in tokens (default: the collection's saved setting, else 64)")
+        if name == "ask":
+            p.add_argument("--save-settings", action="store_true",
+                           help="keep --max-new-tokens with the collection: later asks and the web app start from it")
         p.add_argument("--json", action="store_true", help="print the whole Answer as one JSON object")
 
     from ldqa.eval.harness import BENCHMARKS, add_arguments
@@ -103,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--concurrency", type=int, default=2, help="requests served at once (default 2)")
     p.add_argument("--max-upload-mb", type=float, default=50.0, help="largest accepted upload (default 50 MB)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="default answer cap (tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default answer cap in tokens (default: the collection's saved setting, else 64)")
     p.add_argument("--auth-file", default=None,
                    help="file of user:password lines for a login page (or set LDQA_UI_USER and LDQA_UI_PASSWORD)")
     return ap
@@ -154,6 +159,10 @@ def cmd_ingest(args) -> int:
 
 def cmd_ask(args) -> int:
     qa = _qa(args)
+    if args.save_settings:
+        if args.max_new_tokens is None:
+            raise ValueError("--save-settings saves --max-new-tokens: give it (e.g. --max-new-tokens 256)")
+        qa.save_answer_settings(args.max_new_tokens)
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
               max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
               block_headers=args.block_headers, instruction=args.instruction, answer_prefix=args.answer_prefix,
@@ -243,9 +252,9 @@ def cmd_serve(args) -> int:
 
     from ldqa.app.ui import UIConfig, build_app, launch, read_auth
 
-    cfg = UIConfig(concurrency=args.concurrency, max_upload_mb=args.max_upload_mb, max_new_tokens=args.max_new_tokens)
     auth = read_auth(args.auth_file, os.environ)
     qa = _qa(args, max_new_tokens=args.max_new_tokens)  # raises (exit 2) for a missing/unsupported model
+    cfg = UIConfig(concurrency=args.concurrency, max_upload_mb=args.max_upload_mb, max_new_tokens=qa.max_new_tokens)
     app = build_app(qa, cfg)
     failed: list[Exception] = []
 

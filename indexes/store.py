@@ -274,6 +274,25 @@ class Store:
         for key, value in values.items():
             self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [key, str(value)])
 
+    def answer_settings(self) -> dict:
+        """This collection's saved answer settings (e.g. {"max_new_tokens": 256}); {} when none were saved.
+        They live in the store's SQLite meta table under the key ``answer_settings`` (JSON)."""
+        with self._lock:
+            self._check_open()
+            row = self.db.execute("SELECT value FROM meta WHERE key = 'answer_settings'").fetchone()
+        return json.loads(row[0]) if row else {}
+
+    def set_answer_settings(self, **values) -> dict:
+        """Merge `values` (JSON-serializable) into the saved answer settings, in one transaction; returns
+        them all. A value of None removes that setting."""
+        with self._lock, self._transaction():
+            self._check_open()
+            row = self.db.execute("SELECT value FROM meta WHERE key = 'answer_settings'").fetchone()
+            current = {**(json.loads(row[0]) if row else {}), **values}
+            current = {k: v for k, v in current.items() if v is not None}
+            self._set_meta(answer_settings=json.dumps(current, sort_keys=True))
+        return current
+
     def _check_meta(self, index_kind: str | None) -> str:
         with self._lock, self._transaction():
             meta = self._meta()

@@ -448,3 +448,20 @@ def test_eval_jsonl_max_length_cuts_the_middle_and_logs_rows(tmp_path, tiny_mode
     assert rows["long"]["context_tokens_cut"] > 1000 and rows["long"]["prompt_tokens"] + 8 <= 300
     assert rows["short"]["context_tokens_cut"] == 0
     assert rows["toolong"]["error"].startswith("--max-length") and rows["toolong"]["score"] is None
+
+
+def test_answer_settings_are_kept_with_the_collection(tiny_model_dir, tmp_path):
+    from ldqa.app.api import LongDocQA
+    from ldqa.app.cli import main
+
+    model = str(tiny_model_dir("gemma3"))
+    qa = LongDocQA(store=tmp_path / "store", model=model)
+    assert qa.max_new_tokens == 64 and qa.store.answer_settings() == {}
+    assert qa.save_answer_settings(200) == {"max_new_tokens": 200} and qa.max_new_tokens == 200
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        qa.save_answer_settings(0)
+    qa.store.close()
+    again = LongDocQA(store=tmp_path / "store", model=model)
+    assert again.max_new_tokens == 200  # a new object on the same store starts from the saved setting
+    assert LongDocQA(store=tmp_path / "store", model=model, max_new_tokens=16).max_new_tokens == 16
+    assert main(["ask", "q?", "--store", str(tmp_path / "store"), "--model", model, "--save-settings"]) == 2
