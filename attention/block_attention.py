@@ -164,14 +164,23 @@ class BlockRuntime:
         k, v = self.encode_block(prefix_ids, body_ids)
         stats.encode_ms += (time.perf_counter() - t0) * 1000
         stats.tokens_computed += len(body_ids)
+        if not _finite(k, v):  # never store (or use) a block of NaN/inf: every later question would reuse it
+            from ldqa.attention.generate import NonFiniteLogitsError
+
+            raise NonFiniteLogitsError(f"the KV block of passage chunk {chunk_id} ({len(body_ids)} tokens) holds "
+                                       f"NaN/inf; it was not stored. Load the model with weights 'fp32' or 'bf16' "
+                                       f"and kv_dtype 'fp32'; if every format fails, the model file is damaged")
         if self.kv_store is not None:
             from ldqa.indexes.kv_store import KVBlock
 
-            self.kv_store.put(key, KVBlock(k, v, len(prefix_ids)), chunk_id=chunk_id)
-            # use the block as a later hit will read it (rounded to the store dtype): an answer is the
-            # same whether its passages were stored before or encoded just now
             sd = self.kv_store.dtype
-            k, v = k.to(sd).to(dtype), v.to(sd).to(dtype)
+            if _finite(k.to(sd), v.to(sd)):
+                self.kv_store.put(key, KVBlock(k, v, len(prefix_ids)), chunk_id=chunk_id)
+                # use the block as a later hit will read it (rounded to the store dtype): an answer is the
+                # same whether its passages were stored before or encoded just now
+                k, v = k.to(sd).to(dtype), v.to(sd).to(dtype)
+            else:  # values past the store dtype's range (fp16: 65504): used as computed, not stored
+                log.warning("KV block of chunk %s overflows the store's %s; used without storing it", chunk_id, sd)
         return k, v
 
     # ------------------------------------------------------------------ assembly
@@ -330,3 +339,8 @@ def _rope(model, layer: int, positions, dtype):
     from ldqa.attention.model import rope_cos_sin
 
     return rope_cos_sin(positions, model.freqs_for(layer), dtype)
+
+
+def _finite(*tensors: torch.Tensor) -> bool:
+    """Whether every value of the tensors is finite (one reduction each: NaN/inf propagate into the sum)."""
+    return all(bool(torch.isfinite(t.float().sum())) for t in tensors)

@@ -199,3 +199,45 @@ def test_a_block_encoded_now_equals_the_stored_block_read_later(lm, tmp_path):
     assert torch.equal(cold[0], warm[0]) and torch.equal(cold[1], warm[1])
     fresh = rt.encode_block(seg.prefix, seg.passages[1])[0]
     assert not torch.equal(fresh, cold[0])  # the fp16 rounding is there (and now on both paths)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_block_of_nan_or_inf_is_never_stored(lm, tmp_path, bad):
+    from ldqa.attention.block_attention import PrefillStats
+    from ldqa.attention.generate import NonFiniteLogitsError
+    from ldqa.indexes.kv_store import KVBlockStore, block_key
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "q?")
+    store = KVBlockStore(tmp_path / "kv")
+    rt = BlockRuntime(lm.model, "fp", kv_store=store)
+    real = rt.encode_block
+
+    def poisoned(prefix, body):
+        k, v = real(prefix, body)
+        v[0, 0, 0, 0] = bad
+        return k, v
+
+    rt.encode_block = poisoned
+    with pytest.raises(NonFiniteLogitsError, match="not stored"):
+        rt.get_block(seg.prefix, seg.passages[1], 7, PrefillStats())
+    assert store.get(block_key("fp", seg.prefix, seg.passages[1])) is None
+
+
+def test_a_block_past_the_store_dtype_is_used_but_not_stored(lm, tmp_path):
+    from ldqa.attention.block_attention import PrefillStats
+    from ldqa.indexes.kv_store import KVBlockStore, block_key
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "q?")
+    store = KVBlockStore(tmp_path / "kv")  # fp16: 70000 overflows it
+    rt = BlockRuntime(lm.model, "fp", kv_store=store)
+    real = rt.encode_block
+
+    def big(prefix, body):
+        k, v = real(prefix, body)
+        v[0, 0, 0, 0] = 70000.0
+        return k, v
+
+    rt.encode_block = big
+    k, v = rt.get_block(seg.prefix, seg.passages[1], 7, PrefillStats())
+    assert float(v[0, 0, 0, 0]) == 70000.0
+    assert store.get(block_key("fp", seg.prefix, seg.passages[1])) is None
