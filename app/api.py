@@ -30,6 +30,13 @@ ATTENTION_MODES = ("full", "block", "block+recompute", "retrieval")
 # prefills: another debias method on the same prompt, the same question asked again.
 PREFILL_MEMO_BYTES = 256 << 20
 DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collection sets one
+# `ask` answers ABSTAIN_PHRASE without running the LLM when no retrieved passage reaches this dense cosine
+# similarity (MiniLM): the question is about nothing in the collection. Chosen by
+# `python -m ldqa.eval.bench_abstain --part retrieval` (docs/results.md, issue 31): midway between the
+# off-topic questions on the bundled sample (at most 0.218) and the lowest answerable ones (0.323 on the
+# sample; no answerable NQ-open question of 200 is below 0.3); higher thresholds catch more NQ questions
+# whose answer was removed (0.4: 41%) but would refuse answerable questions of the sample.
+ABSTAIN_BELOW = 0.25
 
 
 @dataclass
@@ -126,6 +133,10 @@ class Answer:
         if self.truncated:
             parts.append(f"the answer was cut at max_new_tokens={self.settings.get('max_new_tokens')} tokens "
                          "(raise max_new_tokens for a longer one)")
+        if self.settings.get("abstained"):
+            parts.append(f"no passage is close enough to the question (best similarity "
+                         f"{self.settings['best_dense_score']:.2f} < {self.settings['abstain_below']}), so the model "
+                         "was not asked; rephrase, or pass abstain_below=None (--abstain-below 0) to ask anyway")
         dropped = self.settings.get("passages_dropped", 0)
         if dropped:
             parts.append(f"{dropped} lowest-ranked passage{'s' if dropped > 1 else ''} left out to fit the "
@@ -427,18 +438,20 @@ class LongDocQA:
             max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
             block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
             debias_orders: int | None = None, debias_calibration: str | None = None,
-            debias_strength: float | None = None, **retrieval) -> Answer:
+            debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
+            **retrieval) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
         return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio, debias,
                            block_headers, instruction, answer_prefix, debias_orders=debias_orders,
                            debias_calibration=debias_calibration, debias_strength=debias_strength,
-                           **retrieval).result()
+                           abstain_below=abstain_below, **retrieval).result()
 
     def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
                max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
                block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
                debias_orders: int | None = None, debias_calibration: str | None = None,
-               debias_strength: float | None = None, **retrieval) -> AnswerStream:
+               debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
+               **retrieval) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
@@ -470,6 +483,11 @@ class LongDocQA:
         instruction: the prompt's instruction (default `ldqa.app.prompt.INSTRUCTION`); answer_prefix: the
         start of the answer, after "Answer:" (e.g. 'Corresponding value: "' for key-value retrieval); the
         answer's text is the model's continuation of it (see `ldqa.app.prompt.build_prompt`).
+        abstain_below: when no retrieved passage has a dense cosine similarity of at least this value
+        (dense and hybrid retrieval; bm25 has no such score), the answer is `prompt.ABSTAIN_PHRASE`
+        ("Not found in the documents.") with the passages it looked at and no citation, and the LLM does
+        not run (settings["abstained"], settings["best_dense_score"]); None or 0 turns it off. Default
+        `ABSTAIN_BELOW` (0.25, measured; see there).
         The prompt is counted in the model's tokens before anything is computed: when it and
         max_new_tokens do not fit the model's window, the lowest-ranked passages are left out
         (settings["passages_dropped"]).
@@ -485,6 +503,9 @@ class LongDocQA:
         _check_attention(attention, recompute_ratio, block_headers)
         rcfg = _retrieval_config(attention, retrieval)
         _check_debias(debias, attention, debias_orders, debias_calibration, debias_strength)
+        if abstain_below is not None and (isinstance(abstain_below, bool) or
+                                          not isinstance(abstain_below, (int, float)) or not -1 <= abstain_below <= 1):
+            raise ValueError(f"abstain_below must be a cosine similarity in [-1, 1] or None, got {abstain_below!r}")
         self.warm_up()  # model loading is not part of a question's timings
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
@@ -493,6 +514,12 @@ class LongDocQA:
                     "debias_calibration": debias_calibration, "debias_strength": debias_strength,
                     "retrieval_config": rcfg, "block_headers": block_headers,
                     **_prompt_settings(instruction, answer_prefix)}
+        dense = [p.dense_score for p in passages if getattr(p, "dense_score", None) is not None]
+        if abstain_below and dense:
+            settings |= {"abstain_below": float(abstain_below), "best_dense_score": max(dense),
+                         "abstained": max(dense) < abstain_below}
+            if settings["abstained"]:
+                return self._abstention(question, passages, attention, retrieval_ms, settings, t0)
         return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
                                    retrieval_ms, settings, t0)
 
@@ -586,6 +613,20 @@ class LongDocQA:
         passages = self._fit_window(question, passages, max_new, settings)
         stream = AnswerStream(iter(()))
         stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings, max_new, t0, rcfg)
+        return stream
+
+    def _abstention(self, question, passages, attention, retrieval_ms, settings, t0) -> AnswerStream:
+        """The answer when no passage is close enough to the question: ABSTAIN_PHRASE, no LLM run."""
+        from ldqa.app.prompt import ABSTAIN_PHRASE
+
+        settings = {k: v for k, v in settings.items() if v is not None and k != "retrieval_config"}
+        settings |= {"attention": attention, "model": self.model_name, "weights": self.weights,
+                     "kv_dtype": self.kv_dtype}
+        timings = {"retrieval_ms": retrieval_ms, "prefill_ms": 0.0, "ttft_ms": 0.0, "decode_ms": 0.0,
+                   "tokens_per_s": 0.0, "prompt_tokens": 0, "generated_tokens": 0, "stop_reason": "abstained",
+                   "tokens_reused": 0, "tokens_computed": 0, "total_ms": _ms(t0)}
+        stream = AnswerStream(iter([ABSTAIN_PHRASE]))
+        stream.answer = Answer(question, ABSTAIN_PHRASE, [], passages, timings, settings)
         return stream
 
     def _fit_window(self, question, passages, max_new, settings) -> list:

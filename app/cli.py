@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fraction of each passage's tokens recomputed in block+recompute (default 0.15)")
         p.add_argument("--max-new-tokens", type=int, default=None,
                        help="answer cap in tokens (default: the collection's saved setting, else 64)")
+        p.add_argument("--abstain-below", type=float, default=None,
+                       help="say 'Not found in the documents.' without asking the model when no retrieved passage "
+                            "reaches this dense cosine similarity (default 0.25, measured; 0 turns it off)")
         if name == "ask":
             p.add_argument("--save-settings", action="store_true",
                            help="keep --max-new-tokens with the collection: later asks and the web app start from it")
@@ -112,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-file", default=None,
                    help="file of user:password lines for a login page (or set LDQA_UI_USER and LDQA_UI_PASSWORD)")
     return ap
+
+
+def _abstain_kw(args) -> dict:
+    """--abstain-below as an `ask` keyword: absent = the API's default, 0 = off (None)."""
+    if args.abstain_below is None:
+        return {}
+    return {"abstain_below": args.abstain_below or None}
 
 
 def _retrieval_kw(args) -> dict:
@@ -167,7 +177,7 @@ def cmd_ask(args) -> int:
               max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
               block_headers=args.block_headers, instruction=args.instruction, answer_prefix=args.answer_prefix,
               debias_orders=args.debias_orders, debias_calibration=args.debias_calibration,
-              debias_strength=args.debias_strength, **_retrieval_kw(args))
+              debias_strength=args.debias_strength, **_abstain_kw(args), **_retrieval_kw(args))
     if args.json:
         print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
         return 0
@@ -224,7 +234,7 @@ def cmd_demo(args) -> int:
                      max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
                      debias=args.debias, block_headers=args.block_headers, debias_orders=args.debias_orders,
                      debias_calibration=args.debias_calibration, debias_strength=args.debias_strength,
-                     **_retrieval_kw(args))
+                     **_abstain_kw(args), **_retrieval_kw(args))
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")

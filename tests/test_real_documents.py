@@ -465,3 +465,29 @@ def test_answer_settings_are_kept_with_the_collection(tiny_model_dir, tmp_path):
     assert again.max_new_tokens == 200  # a new object on the same store starts from the saved setting
     assert LongDocQA(store=tmp_path / "store", model=model, max_new_tokens=16).max_new_tokens == 16
     assert main(["ask", "q?", "--store", str(tmp_path / "store"), "--model", model, "--save-settings"]) == 2
+
+
+# ------------------------------------------------------------------------------------ abstention
+def test_off_topic_question_abstains_without_running_the_model(tiny_model_dir, tmp_path, monkeypatch):
+    from ldqa.app.api import LongDocQA
+    from ldqa.app.prompt import ABSTAIN_PHRASE
+
+    sample = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
+    qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=4)
+    qa.ingest([sample])
+    on = qa.ask("What torque must each fan hub bolt be tightened to?", top_k=3)
+    assert on.settings["abstained"] is False and on.settings["best_dense_score"] >= 0.25
+    assert on.timings["generated_tokens"] >= 1
+    calls = []
+    monkeypatch.setattr(qa, "_answer_stream", lambda *a, **k: calls.append(a))
+    off = qa.ask("Who won the 2018 FIFA World Cup?", top_k=3)
+    assert calls == []  # the LLM path was never entered
+    assert off.text == ABSTAIN_PHRASE and off.citations == [] and len(off.passages) == 3
+    assert off.settings["abstained"] is True and off.settings["best_dense_score"] < 0.25
+    assert off.timings["stop_reason"] == "abstained" and "not asked" in off.notice
+    monkeypatch.undo()
+    forced = qa.ask("Who won the 2018 FIFA World Cup?", top_k=3, abstain_below=None)
+    assert "abstained" not in forced.settings and forced.timings["generated_tokens"] >= 1
+    assert "abstained" not in qa.ask("Who won the 2018 FIFA World Cup?", top_k=3, retriever="bm25").settings
+    with pytest.raises(ValueError, match="abstain_below"):
+        qa.ask("q?", abstain_below=2.0)
