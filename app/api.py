@@ -136,7 +136,7 @@ class Answer:
         if self.settings.get("abstained"):
             parts.append(f"no passage is close enough to the question (best similarity "
                          f"{self.settings['best_dense_score']:.2f} < {self.settings['abstain_below']}), so the model "
-                         "was not asked; rephrase, or pass abstain_below=None (--abstain-below 0) to ask anyway")
+                         "was not asked; rephrase, or ask anyway with --abstain-below 0 (API: abstain_below=None)")
         dropped = self.settings.get("passages_dropped", 0)
         if dropped:
             parts.append(f"{dropped} lowest-ranked passage{'s' if dropped > 1 else ''} left out to fit the "
@@ -147,7 +147,7 @@ class Answer:
         return {"question": self.question, "text": self.text,
                 "citations": [c.to_dict() for c in self.citations],
                 "passages": [asdict(p) for p in self.passages], "timings": self.timings,
-                "settings": self.settings}
+                "settings": self.settings, "truncated": self.truncated, "notice": self.notice}
 
 
 class AnswerStream:

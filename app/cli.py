@@ -160,7 +160,7 @@ def cmd_ingest(args) -> int:
         print(json.dumps(report.to_dict(), indent=1))
     else:
         for f in report.files:
-            extra = f"{f.chunks} chunks" if f.status != "error" else f.reason
+            extra = f"{f.chunks} chunk{'' if f.chunks == 1 else 's'}" if f.status != "error" else f.reason
             print(f"{f.status:9s} {f.path}  ({extra})")
         print(f"{report.added} added/replaced, {report.skipped} skipped, {len(report.errors)} errors, "
               f"{report.chunks} chunks in {report.ms / 1000:.1f} s; store {qa.store.path}")
@@ -172,7 +172,8 @@ def cmd_ask(args) -> int:
     if args.save_settings:
         if args.max_new_tokens is None:
             raise ValueError("--save-settings saves --max-new-tokens: give it (e.g. --max-new-tokens 256)")
-        qa.save_answer_settings(args.max_new_tokens)
+        saved = qa.save_answer_settings(args.max_new_tokens)
+        print(f"ldqa ask: saved {saved} with the collection {qa.store.path}", file=sys.stderr)
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
               max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
               block_headers=args.block_headers, instruction=args.instruction, answer_prefix=args.answer_prefix,
@@ -192,6 +193,11 @@ def cmd_ask(args) -> int:
 def print_answer_details(ans) -> None:
     if ans.notice:
         print(f"  note: {ans.notice}")
+    if ans.settings.get("abstained"):
+        print(f"  retrieval {ans.timings['retrieval_ms']:.0f} ms; the nearest passages were:")
+        for i, p in enumerate(ans.passages[:3], 1):
+            print(f"  [{i}] {p.title} ({Path(p.path).name}{f', page {p.page}' if p.page else ''})")
+        return
     for c in ans.citations:
         page = f", page {c.page}" if c.page else ""
         print(f"  [{c.n}] {c.title} ({Path(c.path).name}{page}, chars {c.start}-{c.end}; {c.method})")

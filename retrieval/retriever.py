@@ -96,7 +96,7 @@ class Retriever:
         n = self.store.n_chunks()
         if n == 0:
             raise EmptyCollectionError(
-                f"no documents ingested in store {self.store.path}; run `ldqa ingest PATH` first"
+                f"no documents ingested in store {self.store.path}; run `ldqa ingest PATH --store {self.store.path}` first"
             )
         top_k = min(int(top_k), n)
         n_cand = min(max(int(candidates), top_k), n)

@@ -401,7 +401,7 @@ def test_api_drops_lowest_ranked_passages_to_fit_the_window(tiny_model_dir, tmp_
     assert cut.timings["prompt_tokens"] + 8 <= window
     assert "left out to fit the model's context window" in cut.notice
     with pytest.raises(PromptTooLongError, match="shorten the question"):
-        qa.stream("why " * window, top_k=2)  # raised before anything is computed
+        qa.stream("why " * window, top_k=2, abstain_below=None)  # raised before anything is computed
 
 
 def _answer(stop_reason: str, dropped: int = 0):

@@ -177,7 +177,7 @@ def test_one_document_collection(embedder, tmp_path):
 
 def test_empty_collection_error(embedder, tmp_path):
     with Store(tmp_path / "empty", embedder.name, embedder.dim) as store:
-        msg = r"no documents ingested in store .*empty; run `ldqa ingest PATH`"
+        msg = r"no documents ingested in store .*empty; run `ldqa ingest PATH --store .*empty`"
         with pytest.raises(EmptyCollectionError, match=msg):
             Retriever(store, embedder).search("hello")
 
