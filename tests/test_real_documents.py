@@ -303,12 +303,66 @@ def test_long_pdf_like_lines_are_not_cut_mid_row():
         assert all(line in rows or line == "SKU Product Unit price" for line in c.text.split("\n")), c.text
 
 
-@pytest.mark.parametrize("kind", ["md", "html"])
+def _table_pdf(rows: list[tuple[str, ...]], per_page: int = 30) -> bytes:
+    """A PDF whose pages draw `rows` as a table (cells at fixed x positions, as a layout program does);
+    the first row (the header) is drawn on the first page only; a line of prose precedes the table."""
+    pages = [rows[:per_page + 1]] + [rows[i:i + per_page] for i in range(per_page + 1, len(rows), per_page)]
+    n = len(pages)
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
+               b"<< /Type /Pages /Kids [" + b" ".join(b"%d 0 R" % (4 + 2 * i) for i in range(n)) + b"] /Count %d >>" % n,
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>"]
+    for i, page_rows in enumerate(pages):
+        ops, y = [b"BT /F1 10 Tf"], 750
+        if i == 0:
+            ops.append(b"1 0 0 1 72 770 Tm (Price list for 2025. Prices exclude VAT.) Tj")
+        for r in page_rows:
+            for x, cell in zip((72, 180, 360, 460), r):
+                ops.append(b"1 0 0 1 %d %d Tm (%s) Tj" % (x, y, cell.encode()))
+            y -= 14
+        stream = b"\n".join(ops + [b"ET"])
+        objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >>"
+                       b" /Contents %d 0 R >>" % (5 + 2 * i))
+        objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
+    return _assemble_pdf(objects)
+
+
+def _pdf_rows(n: int = 60) -> list[tuple[str, ...]]:
+    return [("SKU", "Product", "Unit price", "Stock")] + [
+        (f"SKU-{i:04d}", f"Widget model {i}", f"{i * 1.25 + 3:.2f} EUR", str((i * 7) % 50)) for i in range(n)]
+
+
+def test_pdf_tables_become_pipe_tables_and_keep_their_header_across_pages(tmp_path):
+    p = tmp_path / "prices.pdf"
+    p.write_bytes(_table_pdf(_pdf_rows()))
+    doc = load_document(p)
+    assert doc.meta["n_pages"] == 2 and doc.meta["tables"] == 1
+    header = "| SKU | Product | Unit price | Stock |\n|---|---|---|---|"
+    assert doc.text.startswith("Price list for 2025. Prices exclude VAT.\n" + header + "\n| SKU-0000 |")
+    page2 = doc.text[doc.pages[1].start:doc.pages[1].end]
+    assert page2.startswith(header + "\n| SKU-0030 | Widget model 30 | 40.50 EUR | 10 |")  # header repeated
+    chunks = chunk_document(doc, _words, ChunkConfig(48, 0))
+    for c in chunks:
+        if "| SKU-00" in c.text:
+            assert "| SKU | Product | Unit price | Stock |" in c.full_text, c
+        assert all(not line.startswith("| SKU-") or line.endswith("|") for line in c.text.split("\n"))
+
+
+def test_pdf_prose_is_not_taken_for_a_table(tmp_path):
+    p = tmp_path / "prose.pdf"
+    from test_loaders import text_pdf
+
+    p.write_bytes(text_pdf([["The kiln dries lumber in eleven days.", "Each fan hub bolt takes 18 Nm.",
+                             "Check the seals every spring.", "Replace the filters yearly."]]))
+    doc = load_document(p)
+    assert "|" not in doc.text and "tables" not in doc.meta
+
+
+@pytest.mark.parametrize("kind", ["md", "html", "pdf"])
 def test_question_about_a_bottom_row_retrieves_a_chunk_that_names_the_columns(tiny_model_dir, tmp_path, kind):
     from ldqa.app.api import LongDocQA
 
     rows = _price_rows()
-    if kind == "md":
+    if kind in ("md", "pdf"):
         body = "# Price list\n\nOur prices for 2025.\n\n" + HEADER + "\n" + "\n".join(rows) + "\n"
     else:
         cells = lambda r: "".join(f"<td>{c.strip()}</td>" for c in r.strip("|").split("|"))  # noqa: E731
@@ -316,7 +370,11 @@ def test_question_about_a_bottom_row_retrieves_a_chunk_that_names_the_columns(ti
                 "</p><table><thead><tr><th>SKU</th><th>Product</th><th>Unit price</th><th>Stock</th></tr></thead>"
                 "<tbody>" + "".join(f"<tr>{cells(r)}</tr>" for r in rows) + "</tbody></table></body></html>")
     p = tmp_path / f"prices.{kind}"
-    p.write_text(body, encoding="utf-8")
+    if kind == "pdf":
+        p.write_bytes(_table_pdf([tuple(c.strip() for c in r.strip("|").split("|"))
+                                  for r in [HEADER.split("\n")[0]] + rows]))
+    else:
+        p.write_text(body, encoding="utf-8")
     qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=4)
     assert qa.ingest([p]).files[0].status == "added"
     assert qa.store.n_chunks() > 2
