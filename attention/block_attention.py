@@ -173,14 +173,15 @@ class BlockRuntime:
         if self.kv_store is not None:
             from ldqa.indexes.kv_store import KVBlock
 
-            sd = self.kv_store.dtype
-            if _finite(k.to(sd), v.to(sd)):
+            ks, vs = k.to(self.kv_store.dtype), v.to(self.kv_store.dtype)
+            if _finite(ks, vs):
                 self.kv_store.put(key, KVBlock(k, v, len(prefix_ids)), chunk_id=chunk_id)
                 # use the block as a later hit will read it (rounded to the store dtype): an answer is the
                 # same whether its passages were stored before or encoded just now
-                k, v = k.to(sd).to(dtype), v.to(sd).to(dtype)
+                k, v = ks.to(dtype), vs.to(dtype)
             else:  # values past the store dtype's range (fp16: 65504): used as computed, not stored
-                log.warning("KV block of chunk %s overflows the store's %s; used without storing it", chunk_id, sd)
+                log.warning("KV block of chunk %s overflows the store's %s; used without storing it", chunk_id,
+                            self.kv_store.dtype)
         return k, v
 
     # ------------------------------------------------------------------ assembly

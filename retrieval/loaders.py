@@ -137,13 +137,13 @@ def fold_ligatures(text: str) -> str:
     return text.translate(LIGATURES)
 
 
-def unmapped_glyphs(text: str) -> int:
+_KEPT_CC = "\t\n\r\x0b\x0c\x85"  # control characters that are layout, not missing glyphs
+
+
+def unmapped_glyphs(text: str, kept: str = _KEPT_CC) -> int:
     """How many characters of extracted `text` stand for glyphs that had no Unicode mapping: NUL and
-    other control characters (category Cc) except tab, line and page breaks, and U+FFFD."""
-    return sum(1 for ch in text if ch == "\ufffd" or (unicodedata.category(ch) == "Cc" and ch not in _KEPT_CC))
-
-
-_KEPT_CC = "\t\n\r\x0b\x0c\x85"
+    other control characters (category Cc) except those in `kept` (tab, line and page breaks), and U+FFFD."""
+    return sum(1 for ch in text if ch == "\ufffd" or (unicodedata.category(ch) == "Cc" and ch not in kept))
 
 
 def _glyph_warning(n: int, where: str, fix: str) -> list[str]:
@@ -261,7 +261,7 @@ def _decode_guess(path: Path, data: bytes) -> tuple[str, str]:
 def _reject_binary(path: Path, text: str) -> None:
     if not text:
         return
-    bad = sum(1 for ch in text if ch == "\ufffd" or (unicodedata.category(ch) == "Cc" and ch not in "\t\n\r\x0c"))
+    bad = unmapped_glyphs(text, kept="\t\n\r\x0c")
     if bad > _MAX_BAD_CHAR_FRACTION * len(text):
         raise LoadError(path, f"looks like a binary file ({bad} of {len(text)} characters are not text); "
                               "check that the extension matches the content")
