@@ -1,0 +1,99 @@
+"""The refactor guard on the tiny random-weight Gemma 3 (issue 32): what `LongDocQA.answer` and `ask`
+return in every attention x debias mode (and with the non-default settings each mode takes) must stay
+what it was when the snapshot was recorded: the text, the citations, the passages' order, the settings
+(keys and values), the timings' keys, and the deterministic timings values (token counts, block-store
+lookups, debias passes and the per-passage attention lists, compared exactly: greedy decoding on one
+torch thread is bit-reproducible).
+
+Re-record (only when a change is meant to alter answers, and say so in the commit):
+    LDQA_RECORD_TINY_SNAPSHOT=1 python -m pytest tests/test_api_snapshot_tiny.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ldqa.app.api import LongDocQA, Passage
+from ldqa.eval.api_snapshot import MODES
+
+SNAPSHOT = Path(__file__).resolve().parent / "data" / "api-snapshot-tiny.json"
+SAMPLE = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
+PASSAGES = [Passage("Kiln manual", "The SL-30 chamber holds 3.2 cubic metres of stacked lumber."),
+            Passage("Bulletin", "Tighten each fan hub bolt to 18 Nm with a calibrated wrench.", 2),
+            Passage("Log", "Fan No. 2 was replaced on 14 March 2023 after bearing noise."),
+            Passage("Notes", "The humidity sensor fault is shown as error code E-14 on the controller.")]
+QUESTIONS = ["What torque for the fan hub bolts?", "Which error code shows a humidity sensor fault?"]
+# (attention, debias, extra keyword settings): every mode with its defaults, then the non-default knobs
+CASES = [(a, d, {}) for a, d in MODES] + [
+    ("block+recompute", "none", {"recompute_ratio": 0.5}),
+    ("block", "none", {"block_headers": "fresh"}),
+    ("retrieval", "none", {"top_k_keys": 8, "window": 4}),
+    ("retrieval", "none", {"top_k_keys": "all"}),
+    ("full", "calibrate", {"debias_orders": 2, "debias_calibration": "pearson"}),
+    ("block", "calibrate+reorder", {"debias_orders": 1, "debias_strength": 0.5}),
+    ("full", "none", {"instruction": "Answer briefly.\n\n", "answer_prefix": "The"}),
+    ("full", "sort", {"debias_orders": 2}),  # ignored (with a warning) outside the calibrate methods
+]
+# timings whose values are deterministic (counts, per-passage measurements); the rest are times
+EXACT_TIMINGS = ("prompt_tokens", "generated_tokens", "stop_reason", "tokens_reused", "tokens_computed",
+                 "tokens_recomputed", "header_tokens_reused", "kv_hits", "kv_misses", "mode", "headers",
+                 "debias_passes", "passage_attention", "passage_attention_reversed", "calibrated_relevance",
+                 "passage_weights", "bucket_steps_chosen")
+
+
+def _row(a, **case) -> dict:
+    settings = json.loads(json.dumps(a.settings, default=str))
+    settings["model"] = "<tiny gemma3>"  # a temporary directory's path
+    return {**case, "text": a.text,
+            "citations": [[c.n, c.chunk_id, c.title, c.method, c.answer_start, c.answer_end] for c in a.citations],
+            "passages": [[p.title, getattr(p, "chunk_id", None)] for p in a.passages],
+            "settings": settings, "timings_keys": sorted(a.timings),
+            "timings": {k: a.timings[k] for k in EXACT_TIMINGS if k in a.timings}}
+
+
+def record(model_dir: Path, tmp: Path) -> list[dict]:
+    """Ask every case in a fixed order (the KV block store warms up the same way each time)."""
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        qa = LongDocQA(store=tmp / "store", model=str(model_dir), max_new_tokens=6)
+        for attention, debias, kw in CASES:
+            for q in QUESTIONS:
+                a = qa.answer(q, PASSAGES, attention=attention, debias=debias, **kw)
+                rows.append(_row(a, api="answer", attention=attention, debias=debias, kw=kw, question=q))
+        qa.ingest([SAMPLE])
+        for attention, debias in (("full", "none"), ("block", "calibrate"), ("retrieval", "none")):
+            a = qa.ask("How much does the SL-30 Pro model cost?", top_k=3, attention=attention, debias=debias)
+            rows.append(_row(a, api="ask", attention=attention, debias=debias, kw={}, question="cost"))
+        a = qa.ask("Who won the football world cup in 1954?", top_k=2)  # off-topic: abstains
+        rows.append(_row(a, api="ask", attention="full", debias="none", kw={}, question="off-topic"))
+        qa.store.close()
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def test_answers_match_the_recorded_snapshot(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "cache"))  # bias curves computed afresh
+    rows = json.loads(json.dumps(record(tiny_model_dir("gemma3"), tmp_path)))
+    if os.environ.get("LDQA_RECORD_TINY_SNAPSHOT"):
+        SNAPSHOT.parent.mkdir(exist_ok=True)
+        SNAPSHOT.write_text(json.dumps(rows, indent=1) + "\n")
+        pytest.skip(f"recorded {len(rows)} answers in {SNAPSHOT}")
+    old = json.loads(SNAPSHOT.read_text())
+    assert len(rows) == len(old)
+    for a, b in zip(old, rows):
+        assert a == b, f"{a['api']} {a['attention']}/{a['debias']} {a['kw']} {a['question']!r}"
+
+
+def test_snapshot_covers_every_mode_and_knob():
+    old = json.loads(SNAPSHOT.read_text())
+    assert {(r["attention"], r["debias"]) for r in old} >= set(MODES)
+    assert any(r["settings"].get("abstained") for r in old)  # the abstention path is recorded too
+    assert any("bucket_steps_chosen" in r["timings"] for r in old)
