@@ -14,7 +14,6 @@ import math
 import sys
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -26,9 +25,6 @@ log = logging.getLogger(__name__)
 
 RETRIEVERS = ("hybrid", "dense", "bm25")
 ATTENTION_MODES = ("full", "block", "block+recompute", "retrieval")
-# Bytes of KV cache copies that `LongDocQA` keeps (least recently used first out) to reuse identical exact
-# prefills: another debias method on the same prompt, the same question asked again.
-PREFILL_MEMO_BYTES = 256 << 20
 DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collection sets one
 # `ask` answers ABSTAIN_PHRASE without running the LLM when no retrieved passage reaches this dense cosine
 # similarity (MiniLM): the question is about nothing in the collection. Chosen by
@@ -225,14 +221,12 @@ class LongDocQA:
 
         self.kv_store = KVBlockStore(self.store.path / "kv", memory_budget_bytes=kv_budget_mb << 20)
         self.store.on_chunks_removed(self.kv_store.drop_chunks)  # replaced/deleted documents lose their blocks
-        self._block_runtime = None
-        # Recent exact prefills (attention="full"), least recently used first: answering the same prompt
-        # again (another debias method, the same question asked twice) starts from a copy. `_full_prefill`.
-        self._prefill_memo: OrderedDict = OrderedDict()
-        # Attention Buckets runs the layers below the first global one once for all its branches (same
-        # answers, bit for bit); False runs each branch's whole prefill (the side-by-side comparison in
-        # `python -m ldqa.eval.diag_debias buckets-prefill`).
-        self.share_bucket_layers = True
+        # Recent exact prefills (attention="full"), shared by this collection's engines: answering the same
+        # prompt again (another debias method, the same question asked twice) starts from a copy.
+        from ldqa.attention.context import PrefillMemo
+
+        self.prefill_memo = PrefillMemo()
+        self._engine = None
 
     # ----------------------------------------------------------------- ingestion
     def ingest(self, paths: str | Path | Iterable[str | Path], progress: bool = False) -> IngestReport:
@@ -352,22 +346,16 @@ class LongDocQA:
         """Encode and store the KV block of every chunk of `doc_ids` (default: all) for the current model,
         so the first question over them already hits the store. Returns {"blocks", "computed", "ms"}.
         """
-        from ldqa.app.prompt import build_prompt
-        from ldqa.attention.block_attention import PrefillStats
-
         t0 = time.perf_counter()
         ids = self.store.chunk_ids(doc_ids)
         rows = self.store.get_chunks(ids)
         rt, tok = self.block_runtime, self.llm.tokenizer
-        stats = PrefillStats()
+        segs = [build_prompt(tok, [Passage(r["title"], r["text"], r["page"], r["id"], header=r["header"])], "?")
+                for r in rows]
         bar = _progress(rows, progress, "kv blocks")
         with self._generate_lock:
-            for row in rows:
-                p = Passage(row["title"], row["text"], row["page"], row["id"], header=row["header"])
-                seg = build_prompt(tok, [p], "?")
-                rt.get_block(seg.prefix, seg.passages[0], row["id"], stats)
-                if bar is not None:
-                    bar.update(1)
+            stats = rt.encode([(s.prefix, s.passages[0], r["id"]) for s, r in zip(segs, rows)],
+                              on_block=bar.update if bar is not None else None)
         if bar is not None:
             bar.close()
         return {"blocks": len(rows), "computed": stats.kv_misses, "ms": _ms(t0)}
@@ -399,7 +387,7 @@ class LongDocQA:
         check_model_name(model)
         other = copy.copy(self)  # shallow: the store, locks and caches are the same objects
         other.model_name = model
-        other._block_runtime = None
+        other._engine = None
         return other
 
     # ----------------------------------------------------------------- models
@@ -567,16 +555,31 @@ class LongDocQA:
         self.llm  # noqa: B018
 
     @property
+    def engine(self):
+        """The attention engine of the current model (`ldqa.attention.engine.Engine`): builds every
+        question's context; created on first use, with the collection's KV block store and prefill memo,
+        and the bundled sample documents as the bias curves' calibration text."""
+        from ldqa.attention.bias_curve import Calibration
+        from ldqa.attention.engine import Engine
+
+        llm = self.llm
+        if self._engine is None or self._engine.llm is not llm:
+            self._engine = Engine(llm, self.kv_store, self.prefill_memo,
+                                  Calibration(_sample_texts, lambda ps, q: build_prompt(llm.tokenizer, ps, q)))
+        return self._engine
+
+    @property
     def block_runtime(self):
         """The BlockRuntime of the current model (created, and RoPE self-checked, on first use)."""
-        from ldqa.attention.block_attention import BlockRuntime
+        return self.engine.block_runtime
 
-        if self._block_runtime is None:
-            llm = self.llm
-            rt = BlockRuntime(llm.model, llm.fingerprint, self.kv_store)
-            rt.self_check()
-            self._block_runtime = rt
-        return self._block_runtime
+    def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
+                   block_headers: str | None = None, theta_scale: float = 1.0):
+        """The model's position-only attention bias for k passages (k,), in `attention` mode ("full" or a
+        block mode, with `block_headers` as in `stream`), from the bundled sample: `Engine.bias_curve`
+        (cached on disk per model fingerprint, k, mode, n_examples, seed). Raises ValueError for a
+        theta_scale other than 1 in a block mode."""
+        return self.engine.bias_curve(k, attention, n_examples, seed, block_headers, theta_scale)
 
     def _answer_stream(self, question, passages, attention, max_new, ratio, retrieval_ms, settings, t0):
         settings = {**settings, "attention": attention, "model": self.model_name, "weights": self.weights,
@@ -655,23 +658,12 @@ class LongDocQA:
         debias = settings.get("debias", "none")
         with self._generate_lock:
             t_start = time.perf_counter()
-            if mode.startswith("block") and not self.block_runtime.enabled:
-                settings["attention_used"] = "full"
-                settings["fallback_reason"] = self.block_runtime.disabled_reason
-                mode = "full"
-            policy = None
-            if mode == "retrieval":
-                from ldqa.attention.retrieval_attention import RetrievalKV
-
-                policy = RetrievalKV(rcfg, llm.model.cfg.attn_scale)
-            dstats = {}
-            runner = llm.model
-            if debias == "none":
-                ctx = self._build_context(passages, question, mode, settings, max_new, policy)
-            elif debias == "buckets":
-                ctx, runner, dstats = self._bucket_context(passages, question, mode, settings, max_new)
-            else:
-                ctx, passages, dstats = self._debiased_context(passages, question, mode, settings, max_new)
+            built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings),
+                                        mode, settings, max_new, rcfg)
+            if built.fallback_reason:
+                settings["attention_used"] = built.mode_used
+                settings["fallback_reason"] = built.fallback_reason
+            ctx, runner, passages, dstats, policy = built.context, built.runner, built.passages, built.stats, built.policy
             gen = continue_generation(runner, ctx.cache, ctx.logits, llm.tokenizer.decode, llm.tokenizer.eos_ids,
                                       cfg, t0=t_start)
             for _, delta in gen:
@@ -694,241 +686,6 @@ class LongDocQA:
         stream.answer = Answer(question, text, cite(text, passages), passages, timings, settings)
 
 
-    def _build_context(self, passages, question, mode, settings, max_new, policy=None):
-        """Prefill the prompt for `passages` in attention `mode` ("full"/"retrieval": one exact pass;
-        "block"/"block+recompute": assembled from stored blocks) with `policy` as the cache's hook.
-        Returns a _Context (prompt segments, cache, next-token logits, block stats)."""
-        import torch
-
-        llm = self.llm
-        prompt = _build_prompt(llm.tokenizer, passages, question, settings)
-        if mode == "full" and policy is None:
-            return self._full_prefill(prompt, max_new, settings.get("theta_scale", 1.0))
-        if mode in ("full", "retrieval"):
-            ids = prompt.ids()
-            cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
-            cache.policy = policy
-            logits = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
-            return _Context(prompt, cache, logits, None)
-        from ldqa.attention.block_attention import DEFAULT_HEADERS
-
-        cache, logits, stats = self.block_runtime.prefill(
-            prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
-            recompute_ratio=settings.get("recompute_ratio", 0.0), extra_capacity=max_new + 8, policy=policy,
-            headers=settings.get("block_headers") or DEFAULT_HEADERS)
-        return _Context(prompt, cache, logits, stats)
-
-    def _prefill_key(self, prompt, theta_scale: float = 1.0) -> tuple:
-        return tuple(prompt.ids()), self.llm.fingerprint, float(theta_scale)
-
-    def _full_prefill(self, prompt, max_new, theta_scale: float = 1.0, shared: dict | None = None):
-        """Exact prefill of `prompt` (attention="full") with the question's queries recorded (for the
-        debias methods' attention measurement; recording does not change the attention). `theta_scale`
-        multiplies the RoPE base of the global layers (Attention Buckets' branches; 1 = the model).
-        `shared`: the layers below the first global one, already run on this prompt (`_shared_layers`);
-        the prefill then starts there, bit-identical to a whole one (those layers do not see the scale).
-
-        Recent prefills are kept (copies of their KV caches, at most `PREFILL_MEMO_BYTES` in all, least
-        recently used dropped first): the same prompt again starts from a copy, bit-identical to
-        computing it anew. The context then carries `reused_prefill_ms`, the measured time of the
-        prefill it reused (with a shared start: that start's time included), so that latency reports can
-        add it back (what a caller asking only this would have waited). Returns a _Context."""
-        import torch
-
-        from ldqa.attention.debias import DebiasKV
-
-        llm = self.llm
-        ids = prompt.ids()
-        key = self._prefill_key(prompt, theta_scale)
-        memo = self._prefill_memo.get(key)
-        if memo is not None:
-            self._prefill_memo.move_to_end(key)
-            return _Context(prompt, memo["cache"].clone(), memo["logits"].clone(), None, memo["queries"], memo["ms"])
-        t0 = time.perf_counter()
-        rec = DebiasKV(n_record=len(prompt.question), scale=llm.model.cfg.attn_scale)
-        if shared is None:
-            cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
-            start, shared_ms = None, 0.0
-        else:  # the shared layers' K/V sit in the copy's next slots; the pass resumes at the first global layer
-            cache = shared["cache"].clone()
-            start, shared_ms = (shared["layer"], shared["hidden"]), shared["ms"]
-        cache.policy, cache.theta_scale = rec, float(theta_scale)
-        logits = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache, start=start)
-        cache.policy = None
-        ms, size = _ms(t0) + shared_ms, cache.capacity * cache.nbytes() // max(1, cache.length)  # bytes of a copy
-        if size <= PREFILL_MEMO_BYTES:
-            memo = self._prefill_memo
-            while memo and size + sum(m["bytes"] for m in memo.values()) > PREFILL_MEMO_BYTES:
-                memo.popitem(last=False)
-            memo[key] = {"cache": cache.clone(), "logits": logits.clone(), "queries": rec.queries, "ms": ms,
-                         "bytes": size}
-        return _Context(prompt, cache, logits, None, rec.queries)
-
-    def _measure(self, passages, question, mode, settings, max_new):
-        """Build the context with the question's queries recorded; (context, (k,) attention mass)."""
-        import torch
-
-        from ldqa.attention.debias import DebiasKV, passage_mass, passage_spans
-
-        llm = self.llm
-        n_q = len(_build_prompt(llm.tokenizer, passages[:1], question, settings).question)
-        if mode == "full":  # the exact prefill records the question's queries itself
-            ctx = self._build_context(passages, question, mode, settings, max_new)
-            queries = ctx.queries
-        else:
-            rec = DebiasKV(n_record=n_q, scale=llm.model.cfg.attn_scale)
-            ctx = self._build_context(passages, question, mode, settings, max_new, rec)
-            ctx.cache.policy = None
-            queries = rec.queries
-        L = ctx.cache.length
-        mass = passage_mass(llm.model, ctx.cache, queries, passage_spans(ctx.prompt), torch.arange(L - n_q, L))
-        return ctx, mass
-
-    def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
-                   block_headers: str | None = None, theta_scale: float = 1.0):
-        """The model's position-only attention bias for k passages (k,), in `attention` mode ("full" or a
-        block mode, with `block_headers` as in `stream`): found-in-the-middle calibration on irrelevant
-        passages from the bundled sample, computed once and cached on disk (per model fingerprint, k,
-        mode, n_examples, seed). `theta_scale` (full attention only) multiplies the global layers' RoPE
-        base, as an Attention Buckets branch does: where its troughs fall. Raises ValueError for a
-        theta_scale other than 1 in a block mode (stored blocks carry the model's base)."""
-        from ldqa.attention.block_attention import DEFAULT_HEADERS
-        from ldqa.attention.debias import bias_cache_path, estimate_bias, load_or_estimate_bias
-        from ldqa.attention.loader import cache_root
-
-        llm = self.llm
-        if theta_scale != 1.0 and attention != "full":
-            raise ValueError(f"theta_scale={theta_scale} needs attention='full', not {attention!r}")
-        settings = {"recompute_ratio": 0.15, "block_headers": block_headers or DEFAULT_HEADERS,
-                    "theta_scale": float(theta_scale)}
-        key = attention + (f"-{settings['block_headers']}-headers" if attention.startswith("block") else "")
-        key += f"-rope{theta_scale:g}" if theta_scale != 1.0 else ""
-        path = bias_cache_path(cache_root(), llm.fingerprint, k, key, n_examples, seed)
-
-        def measure(ps, q):
-            return self._measure([Passage.of(p) for p in ps], q, attention, settings, 1)[1]
-
-        return load_or_estimate_bias(path, lambda: estimate_bias(measure, llm.tokenizer, k, n_examples, seed))
-
-    def _shared_layers(self, prompt, max_new) -> dict | None:
-        """The layers of `prompt`'s exact prefill below the model's first global-attention layer, which
-        no RoPE scale of the global layers changes (Gemma 3 270M: 5 sliding-window layers of 18): a dict
-        with the cache holding their K/V in its next slots (not yet counted in its length), the hidden
-        states (1, n, hidden) entering the first global layer, that layer's index and the time taken (ms);
-        None when the first layer is global (Llama, Qwen: nothing to share)."""
-        import torch
-
-        from ldqa.attention.debias import global_layers
-
-        llm = self.llm
-        first = min(global_layers(llm.model.cfg), default=0)
-        if first == 0:
-            return None
-        t0 = time.perf_counter()
-        ids = prompt.ids()
-        cache = llm.model.new_cache(capacity=len(ids) + max_new + 8)
-        hidden = llm.model(torch.tensor([ids]), torch.arange(len(ids)), cache, n_layers=first)
-        return {"cache": cache, "hidden": hidden, "layer": first, "ms": _ms(t0)}
-
-    def _bucket_context(self, passages, question, mode, settings, max_new):
-        """Attention Buckets (ldqa.attention.debias.BUCKET_SCALES): one exact prefill per RoPE base scale
-        of the global layers. Returns (branch 0's context with the ensemble's first logits, the
-        BucketEnsemble that decodes all branches, timings)."""
-        from ldqa.attention.debias import BUCKET_SCALES
-        from ldqa.attention.generate import BucketEnsemble
-
-        t0 = time.perf_counter()
-        llm = self.llm
-        scales = tuple(settings.get("bucket_scales") or BUCKET_SCALES)
-        prompt = _build_prompt(llm.tokenizer, passages, question, settings)
-        shared = None  # the layers below the first global one are the same in every branch: run them once
-        missing = sum(self._prefill_key(prompt, s) not in self._prefill_memo for s in scales)
-        if self.share_bucket_layers and missing > 1:
-            shared = self._shared_layers(prompt, max_new)
-        branches = [self._full_prefill(prompt, max_new, s, shared) for s in scales]  # each kept as exact prefills are
-        ens = BucketEnsemble(llm.model, [b.cache for b in branches])
-        first = ens.pick([b.logits for b in branches])
-        settings["bucket_scales"] = list(scales)
-        reused = sum(b.reused_prefill_ms for b in branches)
-        return (_Context(prompt, branches[0].cache, first, None, reused_prefill_ms=reused), ens,
-                {"debias_ms": _ms(t0), "debias_passes": len(scales)})
-
-    def _debiased_context(self, passages, question, mode, settings, max_new):
-        """Position debiasing (ldqa.attention.debias). Returns (context ready to decode, passages in their
-        final order, timings)."""
-        import torch
-
-        from ldqa.attention import debias as D
-
-        t0 = time.perf_counter()
-        method = settings["debias"]
-        llm = self.llm
-        passes = 1
-        ctx, mass = self._measure(passages, question, mode, settings, max_new)
-        first = ctx  # block modes: the build that met the store as the question found it
-        reused = ctx.reused_prefill_ms
-        out = {}
-        if method == "sort":
-            for _ in range(settings.get("sort_rounds", 2)):
-                order = D.sort_order(mass)
-                if order == list(range(len(passages))):
-                    break
-                passages = [passages[i] for i in order]
-                ctx, mass = self._measure(passages, question, mode, settings, max_new)
-                reused += ctx.reused_prefill_ms
-                passes += 1
-            ctx.cache.policy = None
-        else:
-            t_bias = time.perf_counter()
-            bias = self.bias_curve(len(passages), mode if mode != "retrieval" else "full",
-                                   block_headers=settings.get("block_headers"))
-            out["bias_curve_ms"] = _ms(t_bias)
-            k, rctx, rev = len(passages), None, None
-            form = settings["debias_calibration"]
-            if settings.get("debias_orders", 1) == 2 and k > 1:  # also measure in the reversed order
-                rctx, mass_rev = self._measure(passages[::-1], question, mode, settings, max_new)
-                reused += rctx.reused_prefill_ms
-                passes += 1
-                rel = D.two_order_relevance(mass, mass_rev, bias, form)
-                rev = mass_rev.flip(0)  # per passage, in the given order
-            else:
-                rel = D.calibrated_relevance(mass, bias, form)
-            measured = mass  # by slot, as measured: what "pearson" normalises by, with bias
-            if method == "calibrate+reorder":
-                order = D.reorder_for_bias(rel, bias)
-                passages, rel, mass = [passages[i] for i in order], rel[order], mass[order]
-                rev = rev[order] if rev is not None else None
-                if order == list(range(k))[::-1] and rctx is not None:
-                    ctx = rctx  # the reversed context is already built
-                elif order != list(range(k)):
-                    ctx = self._build_context(passages, question, mode, settings, max_new)
-                    reused += ctx.reused_prefill_ms
-                    passes += 1
-            log_w = D.log_weights(rel, measured, settings.get("debias_strength"), form, bias=bias)
-            L = ctx.cache.length
-            n_q = len(ctx.prompt.question)
-            hook = D.DebiasKV(log_w=D.slot_bias(D.passage_spans(ctx.prompt), log_w, L + max_new + 8),
-                              scale=llm.model.cfg.attn_scale)
-            ctx.cache.policy = hook
-            q_slots = torch.arange(L - n_q, L)  # the question, recomputed in place under the intervention
-            ctx.logits = llm.model(torch.tensor([ctx.prompt.question]), ctx.cache.positions[q_slots].clone(),
-                                   ctx.cache, slots=q_slots)
-            out["passage_weights"] = log_w.exp().tolist()
-            if rev is not None:
-                out["passage_attention_reversed"] = rev.tolist()
-            out["calibrated_relevance"] = rel.tolist()
-        out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist(),
-                "reused_prefill_ms": reused}
-        if ctx is not first and first.block_stats is not None and ctx.block_stats is not None:
-            # later builds find every block stored by the first: report what the store held before this
-            # question (the first's lookups, reuse and computed tokens) and all the encoding
-            fs = first.block_stats
-            ctx.block_stats = replace(ctx.block_stats, kv_hits=fs.kv_hits, kv_misses=fs.kv_misses,
-                                      tokens_reused=fs.tokens_reused, tokens_computed=fs.tokens_computed,
-                                      encode_ms=fs.encode_ms + ctx.block_stats.encode_ms)
-        return ctx, passages, out
-
-
 def _check_max_new(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
@@ -941,18 +698,23 @@ def _prompt_settings(instruction, answer_prefix) -> dict:
         {"answer_prefix": answer_prefix} if answer_prefix else {})
 
 
+def _sample_texts() -> list[str]:
+    """The bundled sample documents' texts (app/sample/docs, sorted by name): the bias curves'
+    calibration text. A file that does not load is skipped (logged)."""
+    from ldqa.retrieval.loaders import load_document
+
+    docs = Path(__file__).resolve().parent / "sample" / "docs"
+    texts = []
+    for p in sorted(docs.iterdir()) if docs.is_dir() else ():
+        try:
+            texts.append(load_document(p).text)
+        except Exception as e:  # noqa: BLE001  (a sample file that does not load is skipped)
+            log.warning("calibration: skipped %s: %s", p.name, e)
+    return texts
+
+
 def _build_prompt(tokenizer, passages, question, settings):
     return build_prompt(tokenizer, passages, question, settings.get("instruction"), settings.get("answer_prefix", ""))
-
-
-@dataclass
-class _Context:
-    prompt: object
-    cache: object
-    logits: object
-    block_stats: object
-    queries: dict | None = None  # full attention: layer -> (heads, question tokens, head_dim) recorded queries
-    reused_prefill_ms: float = 0.0  # > 0: the prefill was a copy of an earlier identical one that took this long
 
 
 @dataclass

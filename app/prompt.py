@@ -16,7 +16,7 @@ the few header tokens carry the rank-dependent number, and they are computed fre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ldqa.attention.segments import PromptSegments  # re-exported: the runtime's contract
 
 INSTRUCTION = (
     "Write a high-quality answer for the given question using only the provided search results "
@@ -33,27 +33,6 @@ FRAMED_INSTRUCTION = (
     f"contain the answer, write: {ABSTAIN_PHRASE}\n\n"
 )
 STOP_STRINGS = ("\n\n", "\nQuestion:", "\nAnswer:", "\nPassage [")
-
-
-@dataclass
-class PromptSegments:
-    """Token ids of the prompt's parts: prefix (BOS + instruction), per passage a header ("Passage [n]")
-    and a body (title, page, text), then the question."""
-
-    prefix: list[int]
-    headers: list[list[int]]
-    passages: list[list[int]]
-    question: list[int]
-
-    def ids(self) -> list[int]:
-        """The whole prompt, in order: prefix, header 1, body 1, ..., header k, body k, question."""
-        out = list(self.prefix)
-        for h, p in zip(self.headers, self.passages):
-            out += h + p
-        return out + self.question
-
-    def __len__(self) -> int:
-        return len(self.ids())
 
 
 def header_text(n: int) -> str:

@@ -184,6 +184,18 @@ class BlockRuntime:
                             self.kv_store.dtype)
         return k, v
 
+    def encode(self, blocks, on_block=None) -> PrefillStats:
+        """Make sure the KV block of every (prefix ids, body ids, chunk id) in `blocks` is in the store
+        (`get_block`: a hit costs a lookup, a miss an encode and a put), so later questions over them
+        hit. on_block(1) is called after each block (a progress bar). Returns the PrefillStats of the
+        lookups (kv_hits, kv_misses, encode_ms, tokens reused/computed)."""
+        stats = PrefillStats()
+        for prefix, body, chunk_id in blocks:
+            self.get_block(prefix, body, chunk_id, stats)
+            if on_block is not None:
+                on_block(1)
+        return stats
+
     # ------------------------------------------------------------------ assembly
     def prefill(self, segments, chunk_ids: list[int | None], mode: str = "block",
                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64, policy=None,

@@ -62,14 +62,14 @@ and question templates of our own writing, and cached on disk.
 
 from __future__ import annotations
 
-import json
 import logging
-import random
-from dataclasses import dataclass, field
-from pathlib import Path
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from ldqa.attention.context import CAPACITY_SLACK
+from ldqa.attention.segments import passage_spans
 
 log = logging.getLogger(__name__)
 
@@ -101,16 +101,6 @@ CALIBRATION = {"full": "difference", "block": "ratio", "block+recompute": "ratio
 # from those questions' recorded attention (docs/data/ranking-block-20-orders2.jsonl.gz), no answers.
 # "pearson": 1.0, not tuned (its weights are normalised like "difference"'s, by the mean of a / sqrt(b)).
 STRENGTH = {"difference": 1.0, "ratio": 1.2, "pearson": 1.0}
-
-
-def passage_spans(segments) -> list[tuple[int, int]]:
-    """Cache slot ranges [start, end) of each passage (header + body) in a prompt built as `segments`
-    (app.prompt.PromptSegments): prefix, then header_i + body_i, then the question."""
-    spans, at = [], len(segments.prefix)
-    for h, b in zip(segments.headers, segments.passages):
-        spans.append((at, at + len(h) + len(b)))
-        at += len(h) + len(b)
-    return spans
 
 
 def global_layers(cfg) -> list[int]:
@@ -252,75 +242,92 @@ def sort_order(mass: torch.Tensor) -> list[int]:
     return torch.argsort(mass, stable=True).tolist()
 
 
-# -------------------------------------------------------------------------------------- bias curve
+# ------------------------------------------------------------------------------------------ the recipe
 
-CALIBRATION_QUESTIONS = (  # of our own writing; none is answered by the bundled sample documents
-    "Who painted the ceiling of the chapel in the old harbour town?",
-    "In what year did the northern railway line first carry passengers?",
-    "What is the capital of the island nation described in the atlas?",
-    "How many moons does the fourth planet of the star system have?",
-    "Which composer wrote the symphony first played at the spring festival?",
-    "What is the boiling point of the solvent used in the experiment?",
-    "Who won the chess tournament held in the mountain village?",
-    "What language is spoken in the valley beyond the river delta?",
-)
+def debiased_context(model, passages: list, method: str, settings: dict, max_new: int, measure, build, bias_curve):
+    """Position debiasing of one question's context: measure, calibrate or sort, intervene.
+
+    model: the Transformer (its attention scale; the question is recomputed through it); passages: in
+    their given order; method: "calibrate", "calibrate+reorder" or "sort"; settings: "debias_orders",
+    "debias_calibration", "debias_strength" (resolved) and optionally "sort_rounds"; max_new: the answer
+    budget (tokens). The context comes from callables: measure(passages) -> (Context, (k,) attention mass
+    per slot), build(passages) -> Context (no measurement), bias_curve(k) -> (k,) the position bias.
+
+    Returns (Context ready to decode, passages in their final order, stats): stats holds debias_ms,
+    debias_passes (context builds), passage_attention (k,) as last measured, reused_prefill_ms, and with
+    the calibrate methods bias_curve_ms, calibrated_relevance (k,), passage_weights (k,) and, with two
+    orders, passage_attention_reversed (k,) (the per-passage lists in the final order). In block modes
+    the context's block stats are the first build's lookups (what the store held before this question)
+    with every build's encode_ms.
+    """
+    t0 = time.perf_counter()
+    passes = 1
+    ctx, mass = measure(passages)
+    first = ctx  # block modes: the build that met the store as the question found it
+    reused = ctx.reused_prefill_ms
+    out = {}
+    if method == "sort":
+        for _ in range(settings.get("sort_rounds", 2)):
+            order = sort_order(mass)
+            if order == list(range(len(passages))):
+                break
+            passages = [passages[i] for i in order]
+            ctx, mass = measure(passages)
+            reused += ctx.reused_prefill_ms
+            passes += 1
+        ctx.cache.policy = None
+    else:
+        t_bias = time.perf_counter()
+        bias = bias_curve(len(passages))
+        out["bias_curve_ms"] = _ms(t_bias)
+        k, rctx, rev = len(passages), None, None
+        form = settings["debias_calibration"]
+        if settings.get("debias_orders", 1) == 2 and k > 1:  # also measure in the reversed order
+            rctx, mass_rev = measure(passages[::-1])
+            reused += rctx.reused_prefill_ms
+            passes += 1
+            rel = two_order_relevance(mass, mass_rev, bias, form)
+            rev = mass_rev.flip(0)  # per passage, in the given order
+        else:
+            rel = calibrated_relevance(mass, bias, form)
+        measured = mass  # by slot, as measured: what "pearson" normalises by, with bias
+        if method == "calibrate+reorder":
+            order = reorder_for_bias(rel, bias)
+            passages, rel, mass = [passages[i] for i in order], rel[order], mass[order]
+            rev = rev[order] if rev is not None else None
+            if order == list(range(k))[::-1] and rctx is not None:
+                ctx = rctx  # the reversed context is already built
+            elif order != list(range(k)):
+                ctx = build(passages)
+                reused += ctx.reused_prefill_ms
+                passes += 1
+        log_w = log_weights(rel, measured, settings.get("debias_strength"), form, bias=bias)
+        L = ctx.cache.length
+        n_q = len(ctx.prompt.question)
+        hook = DebiasKV(log_w=slot_bias(passage_spans(ctx.prompt), log_w, L + max_new + CAPACITY_SLACK),
+                        scale=model.cfg.attn_scale)
+        ctx.cache.policy = hook
+        q_slots = torch.arange(L - n_q, L)  # the question, recomputed in place under the intervention
+        ctx.logits = model(torch.tensor([ctx.prompt.question]), ctx.cache.positions[q_slots].clone(),
+                           ctx.cache, slots=q_slots)
+        out["passage_weights"] = log_w.exp().tolist()
+        if rev is not None:
+            out["passage_attention_reversed"] = rev.tolist()
+        out["calibrated_relevance"] = rel.tolist()
+    out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist(),
+            "reused_prefill_ms": reused}
+    if ctx is not first and first.block_stats is not None and ctx.block_stats is not None:
+        # later builds find every block stored by the first: report what the store held before this
+        # question (the first's lookups, reuse and computed tokens) and all the encoding
+        fs = first.block_stats
+        ctx.block_stats = replace(ctx.block_stats, kv_hits=fs.kv_hits, kv_misses=fs.kv_misses,
+                                  tokens_reused=fs.tokens_reused, tokens_computed=fs.tokens_computed,
+                                  encode_ms=fs.encode_ms + ctx.block_stats.encode_ms)
+    return ctx, passages, out
 
 
-def calibration_passages(tokenizer, n: int, tokens: int = 120) -> list[dict]:
-    """`n` irrelevant passages of about `tokens` tokens, cut from the bundled sample documents (cycled
-    when the sample is short). Raises RuntimeError if the sample is missing."""
-    from ldqa.retrieval.loaders import load_document
-
-    docs = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
-    ids: list[int] = []
-    for p in sorted(docs.iterdir()):
-        try:
-            d = load_document(p)
-        except Exception as e:  # noqa: BLE001  (a sample file that does not load is skipped)
-            log.warning("calibration: skipped %s: %s", p.name, e)
-            continue
-        ids += tokenizer.encode(d.text)
-    if not ids:
-        raise RuntimeError(f"no calibration text: the bundled sample documents in {docs} are missing")
-    out = []
-    for i in range(n):
-        a = (i * tokens) % max(1, len(ids) - tokens)
-        out.append({"title": f"Sample {i + 1}", "text": tokenizer.decode(ids[a:a + tokens])})
-    return out
-
-
-def estimate_bias(measure_fn, tokenizer, k: int, n_examples: int = 16, seed: int = 0) -> torch.Tensor:
-    """The position-only bias curve (k,): mean attention mass per slot over `n_examples` prompts of k
-    irrelevant passages in seeded random order. measure_fn(passages, question) -> (k,) masses.
-    Deterministic for a seed."""
-    rng = random.Random(seed)
-    pool = calibration_passages(tokenizer, max(2 * k, k + 4))
-    total = torch.zeros(k)
-    for i in range(n_examples):
-        passages = rng.sample(pool, k)
-        q = CALIBRATION_QUESTIONS[i % len(CALIBRATION_QUESTIONS)]
-        total += measure_fn(passages, q)
-    return total / n_examples
-
-
-def bias_cache_path(root: Path, fingerprint: str, k: int, mode: str, n_examples: int, seed: int) -> Path:
-    safe = mode.replace("+", "_")
-    return root / "debias" / f"{fingerprint[:16]}-k{k}-{safe}-n{n_examples}-s{seed}.json"
-
-
-def load_or_estimate_bias(path: Path, estimate) -> torch.Tensor:
-    """Read a cached bias curve (JSON) or compute it with `estimate()` and store it atomically."""
-    if path.exists():
-        try:
-            return torch.tensor(json.loads(path.read_text())["bias"])
-        except (ValueError, KeyError) as e:
-            log.warning("bias cache %s unreadable (%s): recomputing", path, e)
-    bias = estimate()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"bias": bias.tolist()}))
-    tmp.replace(path)
-    return bias
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
 
 
 def uses(method: str) -> None:
@@ -330,4 +337,4 @@ def uses(method: str) -> None:
 
 __all__ = ["METHODS", "MEASURE_ORDERS", "CALIBRATION_FORMS", "CALIBRATION", "STRENGTH", "DebiasKV",
            "passage_spans", "passage_mass", "calibrated_relevance", "two_order_relevance", "log_weights",
-           "slot_bias", "reorder_for_bias", "sort_order", "estimate_bias"]
+           "slot_bias", "reorder_for_bias", "sort_order", "debiased_context"]

@@ -205,33 +205,6 @@ def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
-class BucketEnsemble:
-    """Attention Buckets (Chen et al. 2023, "Fortify the Shortest Stave in Attention", sec. 3): the same
-    context in parallel branches whose RoPE bases differ, so that the troughs of one branch's
-    position-dependent attention waveform fall where another has peaks; at every step the branch whose
-    next-token distribution is most confident (largest top probability) decides the token, which is then
-    appended to every branch (our reading of the paper's aggregation).
-
-    Acts as the `model` of a Generation: `ens(tokens, positions, cache)` runs every branch's cache (the
-    `cache` argument is branch 0's, kept for the Generation's bookkeeping) and returns the chosen
-    branch's logits (1, 1, vocab). `chosen` counts the steps each branch decided.
-    """
-
-    def __init__(self, model: Transformer, caches: list[KVCache]):
-        self.model, self.caches = model, caches
-        self.chosen = [0] * len(caches)
-
-    def pick(self, logits: list[torch.Tensor]) -> torch.Tensor:
-        """The most confident of the branches' logits (each (1, 1, vocab)); counts the choice."""
-        conf = [float(torch.softmax(x[0, -1].float(), -1).max()) for x in logits]
-        b = max(range(len(logits)), key=conf.__getitem__)
-        self.chosen[b] += 1
-        return logits[b]
-
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        return self.pick([self.model(tokens, positions, c) for c in self.caches])
-
-
 def continue_generation(model: Transformer, cache: KVCache, logits: torch.Tensor, decode_fn, eos_ids,
                         cfg: SamplingConfig, t0: float) -> Generation:
     """A Generation whose prompt is already in `cache` and whose next-token `logits` (1, 1, vocab) are

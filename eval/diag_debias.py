@@ -150,14 +150,14 @@ def _buckets_prefill(qa, records, held_out: list[int], position: int, args) -> i
         ex = multidoc_example(records, i, args.passages, position, args.seed)
         first = {}
         for way in (["shared", "whole"] if n % 2 == 0 else ["whole", "shared"]):
-            qa._prefill_memo.clear()  # every branch prefilled here, none kept from the other way
-            qa.share_bucket_layers = way == "shared"
+            qa.engine.clear_memo()  # every branch prefilled here, none kept from the other way
+            qa.engine.share_bucket_layers = way == "shared"
             ans = qa.answer(ex["question"], ex["passages"], attention="full", debias="buckets", max_new_tokens=1)
             ms[way].append(ans.timings["ttft_ms"])
             first[way] = ans.text
         same &= first["shared"] == first["whole"]
         print(f"question {i}: TTFT shared {ms['shared'][-1]:,.0f} ms, whole {ms['whole'][-1]:,.0f} ms", flush=True)
-    qa.share_bucket_layers = True
+    qa.engine.share_bucket_layers = True
     med = {w: statistics.median(v) for w, v in ms.items()}
     result = {"passages": args.passages, "position": position, "n": len(held_out), "ttft_ms": ms,
               "median_ttft_ms": med, "whole_over_shared": med["whole"] / med["shared"], "same_first_token": same}

@@ -276,7 +276,7 @@ def test_calibrate_reorder_with_two_orders_reuses_the_reversed_context(tiny_qa, 
 def test_pearson_weights_use_the_measured_order(tiny_qa, monkeypatch):
     q = "What torque for the fan hub bolts?"
     bias = torch.tensor([0.05, 0.30, 0.10, 0.20])  # far from flat, so the normalisation's order shows
-    monkeypatch.setattr(tiny_qa, "bias_curve", lambda k, mode, **kw: bias)
+    monkeypatch.setattr(tiny_qa.engine, "bias_curve", lambda k, mode, **kw: bias)
     cal = tiny_qa.answer(q, PASSAGES, attention="full", debias="calibrate", debias_calibration="pearson")
     assert cal.settings["debias_calibration"] == "pearson" and cal.timings["debias_passes"] == 1
     mass = torch.tensor(cal.timings["passage_attention"])
@@ -318,14 +318,17 @@ def test_debias_rejects_bad_settings(tiny_qa):
 
 
 def test_calibration_passages_come_from_the_bundled_sample(small_tokenizer):
-    ps = D.calibration_passages(small_tokenizer, 5, tokens=40)
-    assert len(ps) == 5 and all(p["text"].strip() for p in ps)
+    from ldqa.app.api import _sample_texts
+    from ldqa.attention.bias_curve import calibration_passages
+
+    ps = calibration_passages(small_tokenizer, 5, _sample_texts(), tokens=40)
+    assert len(ps) == 5 and all(p.text.strip() for p in ps)
     sample_text = " ".join(p.read_text(errors="ignore") for p in SAMPLE.iterdir() if p.suffix != ".pdf").lower()
-    assert ps[0]["text"].split()[0].lower() in sample_text
+    assert ps[0].text.split()[0].lower() in sample_text
 
 
 def test_bucket_branch_with_scale_one_is_the_model_and_other_scales_change_only_global_layers(lm):
-    from ldqa.attention.generate import BucketEnsemble
+    from ldqa.attention.buckets import BucketEnsemble
 
     seg = build_prompt(lm.tokenizer, PASSAGES, "What torque for the fan hub bolts?")
     ids = torch.tensor([seg.ids()])
@@ -370,13 +373,13 @@ def test_buckets_reuse_kept_exact_prefills_per_rope_scale(tiny_qa):
     """Attention Buckets' branch of scale 1 is the plain exact prefill ("none" on the same prompt leaves
     it to reuse); the other branches are kept under their own scale; answers equal fresh ones."""
     q = "What torque for the fan hub bolts?"
-    tiny_qa._prefill_memo.clear()
+    tiny_qa.engine.clear_memo()
     tiny_qa.answer(q, PASSAGES, max_new_tokens=4)
     warm = tiny_qa.answer(q, PASSAGES, debias="buckets", max_new_tokens=4)
-    assert sorted(k[2] for k in tiny_qa._prefill_memo) == sorted(D.BUCKET_SCALES)
+    assert sorted(k[2] for k in tiny_qa.prefill_memo.keys()) == sorted(D.BUCKET_SCALES)
     again = tiny_qa.answer(q, PASSAGES, debias="buckets", max_new_tokens=4)
     assert 0 < warm.timings["reused_prefill_ms"] < again.timings["reused_prefill_ms"]
-    tiny_qa._prefill_memo.clear()
+    tiny_qa.engine.clear_memo()
     fresh = tiny_qa.answer(q, PASSAGES, debias="buckets", max_new_tokens=4)
     assert fresh.timings["reused_prefill_ms"] == 0.0
     for a in (warm, again):
@@ -386,21 +389,23 @@ def test_buckets_reuse_kept_exact_prefills_per_rope_scale(tiny_qa):
 def test_bucket_branches_share_the_layers_below_the_first_global_one_bit_for_bit(tiny_qa, monkeypatch):
     """Attention Buckets runs the layers before the first global layer once for all branches; each branch
     (its logits, every layer's K/V, the recorded queries) must equal its own whole prefill exactly."""
-    from ldqa.app.api import _build_prompt
+    from ldqa.attention.buckets import shared_layers
+    from ldqa.attention.context import exact_prefill
 
     model = tiny_qa.llm.model
     first = model.cfg.layer_types.index("full")
     assert first > 0  # the tiny Gemma 3 has sliding layers first, so something is shared
-    prompt = _build_prompt(tiny_qa.llm.tokenizer, PASSAGES, "What torque for the fan hub bolts?", {})
+    prompt = build_prompt(tiny_qa.llm.tokenizer, PASSAGES, "What torque for the fan hub bolts?")
+    fp, memo = tiny_qa.llm.fingerprint, tiny_qa.prefill_memo
     calls = []
     real = model.forward
     monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(k.get("start")) or real(*a, **k))
-    tiny_qa._prefill_memo.clear()
-    shared = tiny_qa._shared_layers(prompt, 4)
-    split = [tiny_qa._full_prefill(prompt, 4, s, shared) for s in D.BUCKET_SCALES]
+    tiny_qa.engine.clear_memo()
+    shared = shared_layers(model, prompt, 4)
+    split = [exact_prefill(model, fp, prompt, 4, s, shared, memo) for s in D.BUCKET_SCALES]
     assert shared["layer"] == first and sum(c is not None for c in calls) == len(D.BUCKET_SCALES)
-    tiny_qa._prefill_memo.clear()
-    whole = [tiny_qa._full_prefill(prompt, 4, s) for s in D.BUCKET_SCALES]
+    tiny_qa.engine.clear_memo()
+    whole = [exact_prefill(model, fp, prompt, 4, s, memo=memo) for s in D.BUCKET_SCALES]
     n = len(prompt.ids())
     for a, b in zip(split, whole):
         assert torch.equal(a.logits, b.logits) and a.cache.length == b.cache.length == n
@@ -411,13 +416,13 @@ def test_bucket_branches_share_the_layers_below_the_first_global_one_bit_for_bit
         assert a.queries.keys() == b.queries.keys()
         assert all(torch.equal(a.queries[k], b.queries[k]) for k in a.queries)
     # through the API: the shared start is used when two or more branches are not kept, and answers match
-    tiny_qa._prefill_memo.clear()
+    tiny_qa.engine.clear_memo()
     calls.clear()
     ans = tiny_qa.answer("What torque for the fan hub bolts?", PASSAGES, debias="buckets", max_new_tokens=4)
     assert sum(c is not None for c in calls) == len(D.BUCKET_SCALES)
-    tiny_qa.share_bucket_layers = False  # whole prefills only
+    tiny_qa.engine.share_bucket_layers = False  # whole prefills only
     calls.clear()
-    tiny_qa._prefill_memo.clear()
+    tiny_qa.engine.clear_memo()
     plain = tiny_qa.answer("What torque for the fan hub bolts?", PASSAGES, debias="buckets", max_new_tokens=4)
     assert all(c is None for c in calls)
     assert ans.text == plain.text and ans.timings["bucket_steps_chosen"] == plain.timings["bucket_steps_chosen"]
@@ -443,7 +448,7 @@ def test_reused_exact_prefill_gives_the_same_answers(tiny_qa):
     warm = [tiny_qa.answer(q, PASSAGES, debias=m) for m in methods]
     fresh = []
     for m in methods:
-        tiny_qa._prefill_memo.clear()
+        tiny_qa.engine.clear_memo()
         fresh.append(tiny_qa.answer(q, PASSAGES, debias=m))
     assert warm[0].timings["reused_prefill_ms"] == 0.0
     assert all(a.timings["reused_prefill_ms"] > 0 for a in warm[1:])

@@ -44,4 +44,4 @@ def test_buckets_prefill_compares_shared_and_whole_prefills(tmp_path, tiny_model
     result = json.loads((tmp_path / "buckets-prefill-3.json").read_text())
     assert result["same_first_token"] and result["n"] == 3
     assert all(len(v) == 3 and min(v) > 0 for v in result["ttft_ms"].values())
-    assert qa.share_bucket_layers  # the default is back
+    assert qa.engine.share_bucket_layers  # the default is back
