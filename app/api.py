@@ -24,7 +24,8 @@ from ldqa.app.prompt import STOP_STRINGS, build_prompt, check_prompt_options
 log = logging.getLogger(__name__)
 
 RETRIEVERS = ("hybrid", "dense", "bm25")
-ATTENTION_MODES = ("full", "block", "block+recompute", "retrieval")
+# the attention settings shown before the prompt options in `Answer.settings` (the rest come after "kv_dtype")
+_HEAD_KEYS = ("debias", "debias_orders", "debias_calibration", "debias_strength", "block_headers")
 DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collection sets one
 # `ask` answers ABSTAIN_PHRASE without running the LLM when no retrieved passage reaches this dense cosine
 # similarity (MiniLM): the question is about nothing in the collection. Chosen by
@@ -486,11 +487,13 @@ class LongDocQA:
         streaming, NonFiniteLogitsError when the model's logits hold NaN/inf (no empty answer is returned
         as if it were one: the message names the model and weight format and says which to use).
         """
+        from ldqa.attention.engine import AttentionConfig
+
         _check_question(question, top_k, retriever)
         check_prompt_options(instruction, answer_prefix)
-        _check_attention(attention, recompute_ratio, block_headers)
-        rcfg = _retrieval_config(attention, retrieval)
-        _check_debias(debias, attention, debias_orders, debias_calibration, debias_strength)
+        given = AttentionConfig.from_kwargs(attention, recompute_ratio, block_headers, debias, debias_orders,
+                                            debias_calibration, debias_strength, **retrieval)
+        cfg = given.resolved()
         if abstain_below is not None and (isinstance(abstain_below, bool) or
                                           not isinstance(abstain_below, (int, float)) or not -1 <= abstain_below <= 1):
             raise ValueError(f"abstain_below must be a cosine similarity in [-1, 1] or None, got {abstain_below!r}")
@@ -498,18 +501,15 @@ class LongDocQA:
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
-        settings = {"top_k": top_k, "retriever": retriever, "debias": debias, "debias_orders": debias_orders,
-                    "debias_calibration": debias_calibration, "debias_strength": debias_strength,
-                    "retrieval_config": rcfg, "block_headers": block_headers,
-                    **_prompt_settings(instruction, answer_prefix)}
+        base = {"top_k": top_k, "retriever": retriever}
+        extra = _prompt_settings(instruction, answer_prefix)
         dense = [p.dense_score for p in passages if getattr(p, "dense_score", None) is not None]
         if abstain_below and dense:
-            settings |= {"abstain_below": float(abstain_below), "best_dense_score": max(dense),
-                         "abstained": max(dense) < abstain_below}
-            if settings["abstained"]:
-                return self._abstention(question, passages, attention, retrieval_ms, settings, t0)
-        return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio,
-                                   retrieval_ms, settings, t0)
+            extra |= {"abstain_below": float(abstain_below), "best_dense_score": max(dense),
+                      "abstained": max(dense) < abstain_below}
+            if extra["abstained"]:
+                return self._abstention(question, passages, given, retrieval_ms, base, extra, t0)
+        return self._answer_stream(question, passages, cfg, max_new_tokens, retrieval_ms, base, extra, t0)
 
     def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
                recompute_ratio: float | None = None, debias: str = "none", block_headers: str | None = None,
@@ -528,18 +528,17 @@ class LongDocQA:
             raise ValueError("question is empty: ask something")
         if not passages:
             raise ValueError("passages is empty: give at least one passage")
-        _check_attention(attention, recompute_ratio, block_headers)
+        from ldqa.attention.engine import AttentionConfig
+
+        cfg = AttentionConfig.from_kwargs(attention, recompute_ratio, block_headers, debias, debias_orders,
+                                          debias_calibration, debias_strength, **retrieval)
         check_prompt_options(instruction, answer_prefix)
-        rcfg = _retrieval_config(attention, retrieval)
-        _check_debias(debias, attention, debias_orders, debias_calibration, debias_strength)
+        cfg = cfg.resolved()
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
-        settings = {"top_k": len(passages), "retriever": "given", "retrieval_config": rcfg, "debias": debias,
-                    "debias_orders": debias_orders, "debias_calibration": debias_calibration,
-                    "debias_strength": debias_strength, "block_headers": block_headers,
-                    **_prompt_settings(instruction, answer_prefix)}
-        return self._answer_stream(question, passages, attention, max_new_tokens, recompute_ratio, 0.0,
-                                   settings, time.perf_counter()).result()
+        return self._answer_stream(question, passages, cfg, max_new_tokens, 0.0,
+                                   {"top_k": len(passages), "retriever": "given"},
+                                   _prompt_settings(instruction, answer_prefix), time.perf_counter()).result()
 
     def save_answer_settings(self, max_new_tokens: int) -> dict:
         """Keep `max_new_tokens` with the collection (its store's meta table), so every later
@@ -581,50 +580,29 @@ class LongDocQA:
         theta_scale other than 1 in a block mode."""
         return self.engine.bias_curve(k, attention, n_examples, seed, block_headers, theta_scale)
 
-    def _answer_stream(self, question, passages, attention, max_new, ratio, retrieval_ms, settings, t0):
-        settings = {**settings, "attention": attention, "model": self.model_name, "weights": self.weights,
-                    "kv_dtype": self.kv_dtype}
-        rcfg = settings.pop("retrieval_config", None)
-        if rcfg is not None:
-            settings["retrieval"] = asdict(rcfg)
-        if attention == "block+recompute":
-            from ldqa.attention.block_attention import DEFAULT_RECOMPUTE_RATIO
-
-            settings["recompute_ratio"] = DEFAULT_RECOMPUTE_RATIO if ratio is None else ratio
-        if attention.startswith("block"):
-            from ldqa.attention.block_attention import DEFAULT_HEADERS
-
-            settings["block_headers"] = settings.get("block_headers") or DEFAULT_HEADERS
-        else:
-            settings.pop("block_headers", None)
-        if settings.get("debias") in ("calibrate", "calibrate+reorder"):
-            from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS, STRENGTH
-
-            settings["debias_orders"] = settings.get("debias_orders") or MEASURE_ORDERS[attention]
-            settings["debias_calibration"] = settings.get("debias_calibration") or CALIBRATION[attention]
-            strength = settings.get("debias_strength")
-            strength = STRENGTH[settings["debias_calibration"]] if strength is None else strength
-            settings["debias_strength"] = float(strength)
-        else:
-            ignored = {k: v for k in ("debias_orders", "debias_calibration", "debias_strength")
-                       if (v := settings.pop(k, None)) is not None}
-            if ignored:
-                log.warning("%s: only the calibrate methods use %s; ignored with debias=%r",
-                            ", ".join(f"{k}={v!r}" for k, v in ignored.items()),
-                            "it" if len(ignored) == 1 else "them", settings.get("debias"))
+    def _answer_stream(self, question, passages, cfg, max_new, retrieval_ms, base, extra, t0):
+        """The Answer's stream for a resolved AttentionConfig `cfg`; `base` (top_k, retriever) and `extra`
+        (prompt options, abstention) settings go around the attention settings, in the public order."""
+        att = cfg.settings()
+        settings = {**base, **{k: att[k] for k in _HEAD_KEYS if k in att}, **extra, "attention": cfg.mode,
+                    "model": self.model_name, "weights": self.weights, "kv_dtype": self.kv_dtype,
+                    **{k: att[k] for k in ("retrieval", "recompute_ratio") if k in att}}
         max_new = max_new or self.max_new_tokens
         passages = self._fit_window(question, passages, max_new, settings)
         stream = AnswerStream(iter(()))
-        stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings, max_new, t0, rcfg)
+        stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings, max_new, t0, cfg)
         return stream
 
-    def _abstention(self, question, passages, attention, retrieval_ms, settings, t0) -> AnswerStream:
-        """The answer when no passage is close enough to the question: ABSTAIN_PHRASE, no LLM run."""
+    def _abstention(self, question, passages, given, retrieval_ms, base, extra, t0) -> AnswerStream:
+        """The answer when no passage is close enough to the question: ABSTAIN_PHRASE, no LLM run; the
+        settings show the attention options as given (`given`, an unresolved AttentionConfig)."""
         from ldqa.app.prompt import ABSTAIN_PHRASE
 
-        settings = {k: v for k, v in settings.items() if v is not None and k != "retrieval_config"}
-        settings |= {"attention": attention, "model": self.model_name, "weights": self.weights,
-                     "kv_dtype": self.kv_dtype}
+        d = given.debias
+        head = {"debias": d.method, "debias_orders": d.orders, "debias_calibration": d.calibration,
+                "debias_strength": d.strength, "block_headers": given.block.headers}
+        settings = {**base, **{k: v for k, v in head.items() if v is not None}, **extra, "attention": given.mode,
+                    "model": self.model_name, "weights": self.weights, "kv_dtype": self.kv_dtype}
         timings = {"retrieval_ms": retrieval_ms, "prefill_ms": 0.0, "ttft_ms": 0.0, "decode_ms": 0.0,
                    "tokens_per_s": 0.0, "prompt_tokens": 0, "generated_tokens": 0, "stop_reason": "abstained",
                    "tokens_reused": 0, "tokens_computed": 0, "total_ms": _ms(t0)}
@@ -649,17 +627,18 @@ class LongDocQA:
                         len(passages) - len(kept), len(kept), n_prompt)
         return kept
 
-    def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0, rcfg=None):
+    def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0, att_cfg):
         from ldqa.attention.generate import SamplingConfig, continue_generation
 
         llm = self.llm
         cfg = SamplingConfig(max_new_tokens=max_new, stop_strings=STOP_STRINGS)
-        mode = settings["attention"]
-        debias = settings.get("debias", "none")
+        debias = att_cfg.debias.method
         with self._generate_lock:
             t_start = time.perf_counter()
             built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings),
-                                        mode, settings, max_new, rcfg)
+                                        att_cfg, max_new)
+            if debias == "buckets":
+                settings["bucket_scales"] = list(att_cfg.debias.bucket_scales)
             if built.fallback_reason:
                 settings["attention_used"] = built.mode_used
                 settings["fallback_reason"] = built.fallback_reason
@@ -738,61 +717,6 @@ class Passage:
         return cls(obj.title, obj.text, getattr(obj, "page", None), header=getattr(obj, "header", ""))
 
 
-def _check_attention(attention, ratio, block_headers=None) -> None:
-    from ldqa.attention.block_attention import HEADER_MODES
-
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
-    if ratio is not None and not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio}")
-    if block_headers is not None and block_headers not in HEADER_MODES:
-        raise ValueError(f"block_headers={block_headers!r}: choose one of {', '.join(HEADER_MODES)}")
-
-
-def _check_debias(debias: str, attention: str, orders: int | None = None, calibration: str | None = None,
-                  strength: float | None = None) -> None:
-    from ldqa.attention.debias import CALIBRATION_FORMS, METHODS
-
-    if debias not in METHODS:
-        raise ValueError(f"debias={debias!r}: choose one of {', '.join(METHODS)}")
-    if orders is not None and (isinstance(orders, bool) or orders not in (1, 2)):
-        raise ValueError(f"debias_orders={orders!r}: choose 1 (the given order) or 2 (also reversed), or None "
-                         "for the default")
-    if calibration is not None and calibration not in CALIBRATION_FORMS:
-        raise ValueError(f"debias_calibration={calibration!r}: choose one of {', '.join(CALIBRATION_FORMS)}, or None "
-                         "for the default")
-    if strength is not None and (isinstance(strength, bool) or not isinstance(strength, (int, float))
-                                 or not math.isfinite(strength) or strength < 0):
-        raise ValueError(f"debias_strength={strength!r}: give a finite number >= 0 (0: no rescaling), or None for "
-                         "the default (ldqa.attention.debias.STRENGTH)")
-    if debias != "none" and attention == "retrieval":
-        raise ValueError("debias methods work with attention='full', 'block' or 'block+recompute', not 'retrieval'")
-    if debias == "buckets" and attention != "full":
-        raise ValueError("debias='buckets' needs attention='full': stored blocks hold keys encoded with the "
-                         "model's own RoPE base, and buckets change it (use 'calibrate' or 'sort' with block modes)")
-
-
-def _retrieval_config(attention: str, settings: dict):
-    """The RetrievalConfig of `attention="retrieval"` from keyword settings (None values = defaults).
-
-    Raises ValueError for settings given with another attention mode or unknown/out-of-range settings.
-    """
-    from ldqa.attention.retrieval_attention import RetrievalConfig
-
-    settings = {k: v for k, v in settings.items() if v is not None}  # None = not given: the default
-    if attention != "retrieval":
-        if settings:
-            raise ValueError(f"{', '.join(sorted(settings))} only apply to attention='retrieval'")
-        return None
-    known = set(RetrievalConfig.__dataclass_fields__)
-    bad = sorted(set(settings) - known)
-    if bad:
-        raise ValueError(f"unknown retrieval setting(s) {', '.join(bad)}: use {', '.join(sorted(known))}")
-    if settings.get("top_k_keys") == "all":  # every indexed key: exact attention through the same path
-        settings["top_k_keys"] = None
-    return RetrievalConfig(**settings)
-
-
 def _check_question(question, top_k, retriever) -> None:
     if not isinstance(question, str) or not question.strip():
         raise ValueError("question is empty: ask something, e.g. ldqa ask \"What is ...?\"")
@@ -800,6 +724,16 @@ def _check_question(question, top_k, retriever) -> None:
         raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
     if retriever not in RETRIEVERS:
         raise ValueError(f"retriever={retriever!r}: choose one of {', '.join(RETRIEVERS)}")
+
+
+def __getattr__(name: str):
+    """ATTENTION_MODES, read from `ldqa.attention.engine` on first use (importing this module stays free
+    of torch: `ldqa --help` is instant)."""
+    if name == "ATTENTION_MODES":
+        from ldqa.attention.engine import ATTENTION_MODES
+
+        return ATTENTION_MODES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _ms(t0: float) -> float:

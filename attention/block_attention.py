@@ -40,10 +40,36 @@ from ldqa.kernels import dispatch
 
 log = logging.getLogger(__name__)
 
-MODES = ("full", "block", "block+recompute")
 DEFAULT_RECOMPUTE_RATIO = 0.15
 HEADER_MODES = ("cached", "fresh")
 DEFAULT_HEADERS = "cached"
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Block attention's settings. recompute_ratio: the fraction of each passage's tokens recomputed in
+    "block+recompute" (CacheBlend), in [0, 1]; headers: "cached" (each "Passage [n]" header a reused
+    block) or "fresh" (computed with the question). None = the default (`DEFAULT_RECOMPUTE_RATIO`,
+    `DEFAULT_HEADERS`), filled by `resolved`. Raises ValueError for a ratio outside [0, 1] or an unknown
+    header mode."""
+
+    recompute_ratio: float | None = None
+    headers: str | None = None
+
+    def __post_init__(self):
+        if self.recompute_ratio is not None and not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        if self.headers is not None and self.headers not in HEADER_MODES:
+            raise ValueError(f"block_headers={self.headers!r}: choose one of {', '.join(HEADER_MODES)}")
+
+    def resolved(self, mode: str) -> "BlockConfig":
+        """The settings attention `mode` runs with: block modes get the default header mode,
+        "block+recompute" the default ratio; other modes use neither (both None)."""
+        if not mode.startswith("block"):
+            return BlockConfig()
+        ratio = (DEFAULT_RECOMPUTE_RATIO if self.recompute_ratio is None else self.recompute_ratio) \
+            if mode == "block+recompute" else None
+        return BlockConfig(ratio, self.headers or DEFAULT_HEADERS)
 
 
 @dataclass

@@ -63,6 +63,7 @@ and question templates of our own writing, and cached on disk.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -101,6 +102,74 @@ CALIBRATION = {"full": "difference", "block": "ratio", "block+recompute": "ratio
 # from those questions' recorded attention (docs/data/ranking-block-20-orders2.jsonl.gz), no answers.
 # "pearson": 1.0, not tuned (its weights are normalised like "difference"'s, by the mean of a / sqrt(b)).
 STRENGTH = {"difference": 1.0, "ratio": 1.2, "pearson": 1.0}
+
+
+# Rounds of attention sorting ("sort"): sort by measured attention, rebuild, measure again (fewer when the
+# order stops changing).
+SORT_ROUNDS = 2
+
+
+@dataclass(frozen=True)
+class DebiasConfig:
+    """Position debiasing's settings.
+
+    method: one of `METHODS`; orders (1 or 2), calibration (one of `CALIBRATION_FORMS`) and strength
+    (a finite number >= 0): the calibrate methods' measurement orders, calibration form and intervention
+    strength; sort_rounds: attention sorting's rounds (>= 1); bucket_scales: Attention Buckets' RoPE base
+    multipliers (positive, branch 0 first). None = the default for the attention mode and method, filled
+    by `resolved`. Raises ValueError naming the API's keyword (debias=, debias_orders=, ...) for a value
+    out of range.
+    """
+
+    method: str = "none"
+    orders: int | None = None
+    calibration: str | None = None
+    strength: float | None = None
+    sort_rounds: int | None = None
+    bucket_scales: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"debias={self.method!r}: choose one of {', '.join(METHODS)}")
+        if self.orders is not None and (isinstance(self.orders, bool) or self.orders not in (1, 2)):
+            raise ValueError(f"debias_orders={self.orders!r}: choose 1 (the given order) or 2 (also reversed), or "
+                             "None for the default")
+        if self.calibration is not None and self.calibration not in CALIBRATION_FORMS:
+            raise ValueError(f"debias_calibration={self.calibration!r}: choose one of {', '.join(CALIBRATION_FORMS)}, "
+                             "or None for the default")
+        s = self.strength
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0):
+            raise ValueError(f"debias_strength={s!r}: give a finite number >= 0 (0: no rescaling), or None for "
+                             "the default (ldqa.attention.debias.STRENGTH)")
+        if self.sort_rounds is not None and (isinstance(self.sort_rounds, bool) or not isinstance(self.sort_rounds, int)
+                                             or self.sort_rounds < 1):
+            raise ValueError(f"sort_rounds={self.sort_rounds!r}: give an int >= 1")
+        if self.bucket_scales is not None and (not self.bucket_scales or any(x <= 0 for x in self.bucket_scales)):
+            raise ValueError(f"bucket_scales={self.bucket_scales!r}: give one or more positive RoPE base multipliers")
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the method is one of the calibrate methods (which use orders, calibration, strength)."""
+        return self.method in ("calibrate", "calibrate+reorder")
+
+    def resolved(self, mode: str) -> "DebiasConfig":
+        """The settings the method runs with in attention `mode` ("full" or a block mode): the calibrate
+        methods get `MEASURE_ORDERS[mode]`, `CALIBRATION[mode]` and `STRENGTH[form]` where not given,
+        "sort" `SORT_ROUNDS`, "buckets" `BUCKET_SCALES`; knobs the method does not use become None
+        (orders/calibration/strength given with another method are logged as ignored)."""
+        if self.calibrates:
+            form = self.calibration or CALIBRATION[mode]
+            return DebiasConfig(self.method, self.orders or MEASURE_ORDERS[mode], form,
+                                float(STRENGTH[form] if self.strength is None else self.strength))
+        ignored = {k: v for k, v in (("debias_orders", self.orders), ("debias_calibration", self.calibration),
+                                     ("debias_strength", self.strength)) if v is not None}
+        if ignored:
+            log.warning("%s: only the calibrate methods use %s; ignored with debias=%r",
+                        ", ".join(f"{k}={v!r}" for k, v in ignored.items()),
+                        "it" if len(ignored) == 1 else "them", self.method)
+        return DebiasConfig(self.method,
+                            sort_rounds=(self.sort_rounds or SORT_ROUNDS) if self.method == "sort" else None,
+                            bucket_scales=tuple(self.bucket_scales or BUCKET_SCALES) if self.method == "buckets" else None)
 
 
 def global_layers(cfg) -> list[int]:
@@ -244,13 +313,12 @@ def sort_order(mass: torch.Tensor) -> list[int]:
 
 # ------------------------------------------------------------------------------------------ the recipe
 
-def debiased_context(model, passages: list, method: str, settings: dict, max_new: int, measure, build, bias_curve):
+def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, measure, build, bias_curve):
     """Position debiasing of one question's context: measure, calibrate or sort, intervene.
 
     model: the Transformer (its attention scale; the question is recomputed through it); passages: in
-    their given order; method: "calibrate", "calibrate+reorder" or "sort"; settings: "debias_orders",
-    "debias_calibration", "debias_strength" (resolved) and optionally "sort_rounds"; max_new: the answer
-    budget (tokens). The context comes from callables: measure(passages) -> (Context, (k,) attention mass
+    their given order; cfg: a resolved DebiasConfig of method "calibrate", "calibrate+reorder" or "sort";
+    max_new: the answer budget (tokens). The context comes from callables: measure(passages) -> (Context, (k,) attention mass
     per slot), build(passages) -> Context (no measurement), bias_curve(k) -> (k,) the position bias.
 
     Returns (Context ready to decode, passages in their final order, stats): stats holds debias_ms,
@@ -266,8 +334,9 @@ def debiased_context(model, passages: list, method: str, settings: dict, max_new
     first = ctx  # block modes: the build that met the store as the question found it
     reused = ctx.reused_prefill_ms
     out = {}
+    method = cfg.method
     if method == "sort":
-        for _ in range(settings.get("sort_rounds", 2)):
+        for _ in range(cfg.sort_rounds):
             order = sort_order(mass)
             if order == list(range(len(passages))):
                 break
@@ -281,8 +350,8 @@ def debiased_context(model, passages: list, method: str, settings: dict, max_new
         bias = bias_curve(len(passages))
         out["bias_curve_ms"] = _ms(t_bias)
         k, rctx, rev = len(passages), None, None
-        form = settings["debias_calibration"]
-        if settings.get("debias_orders", 1) == 2 and k > 1:  # also measure in the reversed order
+        form = cfg.calibration
+        if cfg.orders == 2 and k > 1:  # also measure in the reversed order
             rctx, mass_rev = measure(passages[::-1])
             reused += rctx.reused_prefill_ms
             passes += 1
@@ -301,7 +370,7 @@ def debiased_context(model, passages: list, method: str, settings: dict, max_new
                 ctx = build(passages)
                 reused += ctx.reused_prefill_ms
                 passes += 1
-        log_w = log_weights(rel, measured, settings.get("debias_strength"), form, bias=bias)
+        log_w = log_weights(rel, measured, cfg.strength, form, bias=bias)
         L = ctx.cache.length
         n_q = len(ctx.prompt.question)
         hook = DebiasKV(log_w=slot_bias(passage_spans(ctx.prompt), log_w, L + max_new + CAPACITY_SLACK),
@@ -330,11 +399,6 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def uses(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"debias={method!r}: choose one of {', '.join(METHODS)}")
-
-
 __all__ = ["METHODS", "MEASURE_ORDERS", "CALIBRATION_FORMS", "CALIBRATION", "STRENGTH", "DebiasKV",
            "passage_spans", "passage_mass", "calibrated_relevance", "two_order_relevance", "log_weights",
-           "slot_bias", "reorder_for_bias", "sort_order", "debiased_context"]
+           "slot_bias", "reorder_for_bias", "sort_order", "DebiasConfig", "debiased_context"]

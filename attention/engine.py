@@ -1,12 +1,12 @@
 """The attention engine: every way ldqa builds a question's context, behind one dispatcher.
 
-`Engine.context(passages, build, mode, settings, max_new)` takes the passages in prompt order, a
-function that turns passages into the prompt's token segments, the attention mode and its settings, and
-the answer budget, and returns an `EngineContext`: the prefilled cache and next-token logits, the model
+`Engine.context(passages, build, cfg, max_new)` takes the passages in prompt order, a function that
+turns passages into the prompt's token segments, one resolved `AttentionConfig` and the answer budget, and returns an `EngineContext`: the prefilled cache and next-token logits, the model
 to decode with (the Transformer, or a BucketEnsemble of branches), the passages in their final order and
 what building it did. One question, block attention with calibrate debiasing:
 
-    engine.context(passages, build, "block", {"debias": "calibrate", ...}, max_new=64)
+    cfg = AttentionConfig.from_kwargs(attention="block", debias="calibrate").resolved()
+    engine.context(passages, build, cfg, max_new=64)
       -> debias.debiased_context(...)                      the recipe: measure, calibrate, intervene
            measure(passages)   -> Engine.build_context     block_attention.BlockRuntime.prefill
                                   + debias.passage_mass    (question's queries recorded by a DebiasKV)
@@ -22,13 +22,102 @@ back to full attention when its RoPE self-check failed). Debias methods: "none",
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ldqa.attention.bias_curve import (Calibration, bias_cache_path, curve_key, estimate_bias,
                                        load_or_estimate_bias)
+from ldqa.attention.block_attention import BlockConfig
 from ldqa.attention.context import CAPACITY_SLACK, Context, PrefillMemo, exact_prefill, policy_prefill
+from ldqa.attention.debias import DebiasConfig
+from ldqa.attention.retrieval_attention import RetrievalConfig
+
+
+ATTENTION_MODES = ("full", "block", "block+recompute", "retrieval")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """How a question's context is built: the attention `mode` (one of `ATTENTION_MODES`), block
+    attention's settings, retrieval attention's (`RetrievalConfig`, mode "retrieval" only) and position
+    debiasing's. Fields left None take their defaults in `resolved`, the one place where defaults are
+    filled and combinations checked; the API, the CLI, the eval harness's cache keys and the benchmarks
+    all go through it.
+
+        AttentionConfig.from_kwargs(attention="block", debias="calibrate").resolved()
+        -> AttentionConfig(mode="block", block=BlockConfig(None, "cached"), retrieval=None,
+                           debias=DebiasConfig("calibrate", orders=2, calibration="ratio", strength=1.2))
+    """
+
+    mode: str = "full"
+    block: BlockConfig = field(default_factory=BlockConfig)
+    retrieval: RetrievalConfig | None = None
+    debias: DebiasConfig = field(default_factory=DebiasConfig)
+
+    def __post_init__(self):
+        if self.mode not in ATTENTION_MODES:
+            raise ValueError(f"attention={self.mode!r}: choose one of {', '.join(ATTENTION_MODES)}")
+
+    @classmethod
+    def from_kwargs(cls, attention: str = "full", recompute_ratio: float | None = None,
+                    block_headers: str | None = None, debias: str = "none", debias_orders: int | None = None,
+                    debias_calibration: str | None = None, debias_strength: float | None = None,
+                    **retrieval) -> "AttentionConfig":
+        """The configuration from the API's flat keywords (`LongDocQA.stream`'s): `retrieval` holds
+        `RetrievalConfig` fields (None values = not given; top_k_keys="all" = every key). Raises
+        ValueError for an unknown mode, method or setting, a value out of range, or retrieval settings
+        with another attention mode (the checks of `resolved` come on top)."""
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
+        block = BlockConfig(recompute_ratio, block_headers)
+        given = {k: v for k, v in retrieval.items() if v is not None}  # None = not given: the default
+        rcfg = None
+        if attention != "retrieval":
+            if given:
+                raise ValueError(f"{', '.join(sorted(given))} only apply to attention='retrieval'")
+        else:
+            known = set(RetrievalConfig.__dataclass_fields__)
+            bad = sorted(set(given) - known)
+            if bad:
+                raise ValueError(f"unknown retrieval setting(s) {', '.join(bad)}: use {', '.join(sorted(known))}")
+            if given.get("top_k_keys") == "all":  # every indexed key: exact attention through the same path
+                given["top_k_keys"] = None
+            rcfg = RetrievalConfig(**given)
+        return cls(attention, block, rcfg, DebiasConfig(debias, debias_orders, debias_calibration, debias_strength))
+
+    def resolved(self) -> "AttentionConfig":
+        """This configuration with every default filled in (block settings for block modes,
+        `RetrievalConfig()` for "retrieval", the debias method's defaults for the mode) and knobs the mode
+        does not use cleared. Raises ValueError for debiasing with attention="retrieval" and for
+        "buckets" with anything but full attention."""
+        d = self.debias
+        if d.method != "none" and self.mode == "retrieval":
+            raise ValueError("debias methods work with attention='full', 'block' or 'block+recompute', not "
+                             "'retrieval'")
+        if d.method == "buckets" and self.mode != "full":
+            raise ValueError("debias='buckets' needs attention='full': stored blocks hold keys encoded with the "
+                             "model's own RoPE base, and buckets change it (use 'calibrate' or 'sort' with block "
+                             "modes)")
+        rcfg = (self.retrieval or RetrievalConfig()) if self.mode == "retrieval" else None
+        return AttentionConfig(self.mode, self.block.resolved(self.mode), rcfg, d.resolved(self.mode))
+
+    def settings(self) -> dict:
+        """The public settings keys of a resolved configuration, as `Answer.settings` shows them:
+        "debias", with the calibrate methods "debias_orders", "debias_calibration", "debias_strength",
+        in block modes "block_headers", with "retrieval" its `RetrievalConfig` as a dict, in
+        "block+recompute" "recompute_ratio"."""
+        d = self.debias
+        out = {"debias": d.method}
+        if d.calibrates:
+            out |= {"debias_orders": d.orders, "debias_calibration": d.calibration, "debias_strength": d.strength}
+        if self.block.headers is not None:
+            out["block_headers"] = self.block.headers
+        if self.retrieval is not None:
+            out["retrieval"] = asdict(self.retrieval)
+        if self.block.recompute_ratio is not None:
+            out["recompute_ratio"] = self.block.recompute_ratio
+        return out
 
 
 @dataclass
@@ -88,16 +177,12 @@ class Engine:
         return self._block_runtime
 
     # ------------------------------------------------------------------------------ the dispatcher
-    def context(self, passages: list, build, mode: str, settings: dict, max_new: int,
-                retrieval_config=None) -> EngineContext:
-        """The context of one question: `build(passages)` -> PromptSegments (the question included);
-        `mode` an attention mode; `settings` the resolved attention settings ("debias", "recompute_ratio",
-        "block_headers", "debias_orders", "debias_calibration", "debias_strength"; Attention Buckets adds
-        "bucket_scales", the scales it ran); max_new: the answer budget (tokens) the cache makes room
-        for; retrieval_config: the `RetrievalConfig` of mode "retrieval". Raises as the model does
-        (NonFiniteLogitsError for a block of NaN/inf)."""
+    def context(self, passages: list, build, cfg: AttentionConfig, max_new: int) -> EngineContext:
+        """The context of one question: `build(passages)` -> PromptSegments (the question included); `cfg`
+        a resolved AttentionConfig; max_new: the answer budget (tokens) the cache makes room for. Raises
+        as the model does (NonFiniteLogitsError for a block of NaN/inf)."""
         model = self.llm.model
-        debias = settings.get("debias", "none")
+        mode, debias = cfg.mode, cfg.debias
         out = EngineContext(None, model, passages, mode_used=mode)
         if mode.startswith("block") and not self.block_runtime.enabled:
             out.mode_used, out.fallback_reason = "full", self.block_runtime.disabled_reason
@@ -105,50 +190,47 @@ class Engine:
         if mode == "retrieval":
             from ldqa.attention.retrieval_attention import RetrievalKV
 
-            out.policy = RetrievalKV(retrieval_config, model.cfg.attn_scale)
-        if debias == "none":
-            out.context = self.build_context(passages, build, mode, settings, max_new, out.policy)
-        elif debias == "buckets":
+            out.policy = RetrievalKV(cfg.retrieval, model.cfg.attn_scale)
+        if debias.method == "none":
+            out.context = self.build_context(passages, build, mode, cfg.block, max_new, out.policy)
+        elif debias.method == "buckets":
             from ldqa.attention.buckets import bucket_context
-            from ldqa.attention.debias import BUCKET_SCALES
 
-            scales = tuple(settings.get("bucket_scales") or BUCKET_SCALES)
             out.context, out.runner, out.stats = bucket_context(
-                model, self.llm.fingerprint, build(passages), max_new, scales, self.memo, self.share_bucket_layers)
-            settings["bucket_scales"] = list(scales)
+                model, self.llm.fingerprint, build(passages), max_new, debias.bucket_scales, self.memo,
+                self.share_bucket_layers)
         else:
             from ldqa.attention.debias import debiased_context
 
             out.context, out.passages, out.stats = debiased_context(
-                model, passages, debias, settings, max_new,
-                measure=lambda ps: self.measure(ps, build, mode, settings, max_new),
-                build=lambda ps: self.build_context(ps, build, mode, settings, max_new),
-                bias_curve=lambda k: self.bias_curve(k, mode if mode != "retrieval" else "full",
-                                                     block_headers=settings.get("block_headers")))
+                model, passages, debias, max_new,
+                measure=lambda ps: self.measure(ps, build, mode, cfg.block, max_new),
+                build=lambda ps: self.build_context(ps, build, mode, cfg.block, max_new),
+                bias_curve=lambda k: self.bias_curve(k, mode, block_headers=cfg.block.headers))
         return out
 
     # ------------------------------------------------------------------------------ the pieces
-    def build_context(self, passages: list, build, mode: str, settings: dict, max_new: int, policy=None) -> Context:
+    def build_context(self, passages: list, build, mode: str, block: BlockConfig, max_new: int, policy=None,
+                      theta_scale: float = 1.0) -> Context:
         """Prefill the prompt `build(passages)` in attention `mode` ("full"/"retrieval": one exact pass;
-        "block"/"block+recompute": assembled from stored blocks) with `policy` as the cache's hook.
-        "full" without a policy is the memoized exact prefill (`context.exact_prefill`, at
-        settings["theta_scale"], default 1). Returns a Context."""
+        "block"/"block+recompute": assembled from stored blocks with the resolved `block` settings) with
+        `policy` as the cache's hook. "full" without a policy is the memoized exact prefill
+        (`context.exact_prefill`, the global layers' RoPE base times `theta_scale`). Returns a Context."""
         model = self.llm.model
         prompt = build(passages)
         if mode == "full" and policy is None:
-            return exact_prefill(model, self.llm.fingerprint, prompt, max_new, settings.get("theta_scale", 1.0),
-                                 memo=self.memo)
+            return exact_prefill(model, self.llm.fingerprint, prompt, max_new, theta_scale, memo=self.memo)
         if mode in ("full", "retrieval"):
             return policy_prefill(model, prompt, max_new, policy)
         from ldqa.attention.block_attention import DEFAULT_HEADERS
 
         cache, logits, stats = self.block_runtime.prefill(
             prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
-            recompute_ratio=settings.get("recompute_ratio", 0.0), extra_capacity=max_new + CAPACITY_SLACK,
-            policy=policy, headers=settings.get("block_headers") or DEFAULT_HEADERS)
+            recompute_ratio=block.recompute_ratio or 0.0, extra_capacity=max_new + CAPACITY_SLACK,
+            policy=policy, headers=block.headers or DEFAULT_HEADERS)
         return Context(prompt, cache, logits, stats)
 
-    def measure(self, passages: list, build, mode: str, settings: dict, max_new: int):
+    def measure(self, passages: list, build, mode: str, block: BlockConfig, max_new: int, theta_scale: float = 1.0):
         """Build the context with the question's queries recorded: (Context, (k,) attention mass from the
         question to each passage, `debias.passage_mass`)."""
         from ldqa.attention.debias import DebiasKV, passage_mass
@@ -157,11 +239,11 @@ class Engine:
         model = self.llm.model
         n_q = len(build(passages[:1]).question)
         if mode == "full":  # the exact prefill records the question's queries itself
-            ctx = self.build_context(passages, build, mode, settings, max_new)
+            ctx = self.build_context(passages, build, mode, block, max_new, theta_scale=theta_scale)
             queries = ctx.queries
         else:
             rec = DebiasKV(n_record=n_q, scale=model.cfg.attn_scale)
-            ctx = self.build_context(passages, build, mode, settings, max_new, rec)
+            ctx = self.build_context(passages, build, mode, block, max_new, rec)
             ctx.cache.policy = None
             queries = rec.queries
         L = ctx.cache.length
@@ -182,10 +264,10 @@ class Engine:
 
         if theta_scale != 1.0 and attention != "full":
             raise ValueError(f"theta_scale={theta_scale} needs attention='full', not {attention!r}")
-        settings = {"recompute_ratio": DEFAULT_RECOMPUTE_RATIO, "block_headers": block_headers or DEFAULT_HEADERS,
-                    "theta_scale": float(theta_scale)}
-        path = bias_cache_path(cache_root(), self.llm.fingerprint, k,
-                               curve_key(attention, settings["block_headers"], theta_scale), n_examples, seed)
+        # every block+recompute curve is measured at the default ratio (one curve per mode, not per ratio)
+        block = BlockConfig(DEFAULT_RECOMPUTE_RATIO, block_headers or DEFAULT_HEADERS)
+        path = bias_cache_path(cache_root(), self.llm.fingerprint, k, curve_key(attention, block.headers, theta_scale),
+                               n_examples, seed)
         cal = self.calibration
 
         def estimate():
@@ -194,7 +276,7 @@ class Engine:
             texts = cal.texts()
 
             def measure(ps, q):
-                return self.measure(ps, lambda xs: cal.build_prompt(xs, q), attention, settings, 1)[1]
+                return self.measure(ps, lambda xs: cal.build_prompt(xs, q), attention, block, 1, float(theta_scale))[1]
 
             return estimate_bias(measure, self.llm.tokenizer, k, texts, n_examples, seed)
 
@@ -205,4 +287,4 @@ class Engine:
         self.memo.clear()
 
 
-__all__ = ["Engine", "EngineContext", "Context", "PrefillMemo", "Calibration"]
+__all__ = ["ATTENTION_MODES", "AttentionConfig", "Engine", "EngineContext", "Context", "PrefillMemo", "Calibration"]

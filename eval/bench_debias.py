@@ -142,25 +142,26 @@ def check_settings(rows, orders: int | None, methods: list[str], modes: list[str
                    calibration: str | None = None, strength: float | None = None) -> None:
     """Raise SystemExit if a calibrate row in `rows` of one of the `methods` x `modes` this run answers
     was measured with other debias_orders, debias_calibration or debias_strength than the run would use
-    (`orders`, `calibration`, `strength`; None: the defaults, MEASURE_ORDERS and CALIBRATION per attention
-    mode, STRENGTH per calibration form): resuming would mix two settings under one method name. Rows
+    (`orders`, `calibration`, `strength`; None: the defaults, resolved by `DebiasConfig.resolved` for the
+    attention mode): resuming would mix two settings under one method name. Rows
     without the fields predate them (1 order, "difference", the form's default strength)."""
-    from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS, STRENGTH
+    from ldqa.attention.debias import STRENGTH, DebiasConfig
 
     for r in rows:
         if r["method"] in ("calibrate", "calibrate+reorder") and r["method"] in methods and r["attention"] in modes:
-            want = orders or MEASURE_ORDERS[r["attention"]]
+            run = DebiasConfig(r["method"], orders, calibration, strength).resolved(r["attention"])  # what it would use
+            want = run.orders
             if r.get("debias_orders", 1) != want:
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_orders="
                                  f"{r.get('debias_orders', 1)}, this run would use {want}: give another --out "
                                  f"(or --debias-orders {r.get('debias_orders', 1)})")
-            form = calibration or CALIBRATION[r["attention"]]
+            form = run.calibration
             had_form = r.get("debias_calibration", "difference")
             if had_form != form:
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_calibration="
                                  f"{had_form}, this run would use {form}: give another --out "
                                  f"(or --debias-calibration {had_form})")
-            want = STRENGTH[form] if strength is None else float(strength)
+            want = run.strength
             had = r.get("debias_strength", STRENGTH[had_form])
             if abs(had - want) > 1e-9:
                 raise SystemExit(f"{r['attention']}/{r['method']} rows here were measured with debias_strength="

@@ -195,7 +195,7 @@ def parse_modes(modes: str, debias: str = "none", retriever: str = "hybrid", ben
         for d in ds:
             if d not in DEBIAS_METHODS:
                 raise ValueError(f"--debias: unknown method {d!r}; choose from {', '.join(DEBIAS_METHODS)}")
-            if (att in ("retrieval", "hf") and d != "none") or (d == "buckets" and att != "full"):
+            if d != "none" and not _debias_applies(att, d):
                 if own_d:
                     raise ValueError(f"--modes {item!r}: debiasing does not apply to the {att} mode"
                                      + (" (buckets needs full attention)" if d == "buckets" else ""))
@@ -207,6 +207,21 @@ def parse_modes(modes: str, debias: str = "none", retriever: str = "hybrid", ben
                 if m not in out:
                     out.append(m)
     return out
+
+
+def _debias_applies(attention: str, debias: str) -> bool:
+    """Whether debias method `debias` runs with `attention` (the rule of `AttentionConfig.resolved`; the
+    HF reference has no debiasing)."""
+    if attention == "hf":
+        return False
+    from ldqa.attention.debias import DebiasConfig
+    from ldqa.attention.engine import AttentionConfig
+
+    try:
+        AttentionConfig(attention, debias=DebiasConfig(debias)).resolved()
+    except ValueError:
+        return False
+    return True
 
 
 def gold_positions(spec: str, n_passages: int) -> list[int]:
@@ -636,23 +651,26 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int) -> str:
 
 
 def mode_cache_key(m: Mode, retrieval_config=None) -> str:
-    """The cache key of mode `m`: `Mode.key`, and for attention "retrieval" a hash of the retrieval
-    settings it runs with (`RetrievalConfig()` defaults unless given), so a changed default (e.g.
-    `top_k_keys`) recomputes those answers instead of reading stale ones; likewise the calibrate
-    methods' defaults for the mode (measurement orders, calibration form and its strength,
-    `ldqa.attention.debias`)."""
-    from ldqa.attention.debias import CALIBRATION, MEASURE_ORDERS, STRENGTH
-
-    if m.debias in ("calibrate", "calibrate+reorder") and m.attention in CALIBRATION:
-        form = CALIBRATION[m.attention]
-        d = {"orders": MEASURE_ORDERS[m.attention], "calibration": form, "strength": STRENGTH[form]}
-        return m.key + "#" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
-    if m.attention != "retrieval":
+    """The cache key of mode `m`: `Mode.key`, and a hash of the settings its resolved `AttentionConfig`
+    runs with where they have defaults that may change: for attention "retrieval" its `RetrievalConfig`
+    (`RetrievalConfig()` unless given), for the calibrate methods their measurement orders, calibration
+    form and strength. A changed default (e.g. `top_k_keys`) thus recomputes those answers instead of
+    reading stale ones. The hashed dicts keep the shape they had before `AttentionConfig` (issue 32), so
+    existing caches keep their keys (tests/test_cache_keys.py)."""
+    if m.attention == "hf":
         return m.key
-    from ldqa.attention.retrieval_attention import RetrievalConfig
+    from ldqa.attention.engine import AttentionConfig
+    from ldqa.attention.debias import DebiasConfig
 
-    rc = asdict(retrieval_config or RetrievalConfig())
-    return m.key + "#" + hashlib.sha256(json.dumps(rc, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    cfg = AttentionConfig(m.attention, retrieval=retrieval_config, debias=DebiasConfig(m.debias)).resolved()
+    d = cfg.debias
+    if d.calibrates:
+        fields = {"orders": d.orders, "calibration": d.calibration, "strength": d.strength}
+    elif cfg.retrieval is not None:
+        fields = asdict(cfg.retrieval)
+    else:
+        return m.key
+    return m.key + "#" + hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 # ------------------------------------------------------------------------------------------ the run
