@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from ldqa.eval.metrics import normalize_answer
+from ldqa.retrieval.text import normalize_answer
 
 _MARKER = re.compile(r"\[(\d{1,3})\]")
 

@@ -266,7 +266,7 @@ def passage_records(ans) -> list[dict]:
 def closest_sentence(text: str, answer: str, min_share: float = 0.5) -> tuple[int, int] | None:
     """(start, end) in `text` of the sentence holding the largest share (>= min_share) of the answer's
     normalized words, or None."""
-    from ldqa.eval.metrics import normalize_answer
+    from ldqa.retrieval.text import normalize_answer
 
     words = set(normalize_answer(_MARKER.sub("", answer)).split())
     best, span = 0.0, None

@@ -239,7 +239,7 @@ class BlockRuntime:
     def assemble(self, segments, chunk_ids: list[int | None], mode: str = "block",
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64,
                  with_question: bool = False, policy=None, headers: str = DEFAULT_HEADERS):
-        """Build the cache [prefix][h1][b1]...[hk][bk] for `segments` (app.prompt.PromptSegments), ready
+        """Build the cache [prefix][h1][b1]...[hk][bk] for `segments` (`ldqa.attention.segments.PromptSegments`), ready
         for the question to be prefilled after it.
 
         mode "block": bodies from stored blocks, re-encoded to their offsets.

@@ -53,10 +53,11 @@ on purpose, in three documented places (issue 31, item 5):
 
 from __future__ import annotations
 
-import re
 import string
 import unicodedata
 from collections import Counter
+
+from ldqa.retrieval.text import normalize_answer  # re-exported: it lives below eval/ (the product uses it)
 
 _PUNCT = set(string.punctuation)
 
@@ -90,16 +91,6 @@ def _cjk_kind(ch: str) -> str | None:
         if lo <= cp <= hi:
             return "punct" if unicodedata.category(ch)[0] in "PS" else "char"
     return None
-
-
-def normalize_answer(s: str) -> str:
-    """SQuAD v1.1 normalization (`normalize_answer` of evaluate-v1.1.py), unchanged: lower-case, drop ASCII
-    punctuation, drop the whole words a/an/the, fold white space. May return "" (e.g. for "The" or "*");
-    the metrics below then fall back as the module docstring describes."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in _PUNCT)
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
 
 
 _LEVELS = (0, 1, 2)  # 0: SQuAD, 1: articles kept, 2: punctuation kept

@@ -293,6 +293,12 @@ class Store:
             self._set_meta(answer_settings=json.dumps(current, sort_keys=True))
         return current
 
+    def check_embedder(self, name: str, dim: int) -> None:
+        """Raise IndexMismatchError (naming both models and saying to re-ingest) unless the embedding
+        model `name` with `dim` dimensions is the one this store was built with."""
+        if name != self.embedder_name or int(dim) != self.dim:
+            raise IndexMismatchError(mismatch_message(self.path, self.embedder_name, self.dim, name, int(dim)))
+
     def _check_meta(self, index_kind: str | None) -> str:
         with self._lock, self._transaction():
             meta = self._meta()

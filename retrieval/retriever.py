@@ -5,7 +5,6 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from ldqa.indexes.vector_index import IndexMismatchError, mismatch_message
 from ldqa.retrieval.fusion import rrf
 
 MODES = ("hybrid", "dense", "bm25")
@@ -53,15 +52,12 @@ class Retriever:
 
     Raises
     ------
-    IndexMismatchError
+    IndexMismatchError (`ldqa.indexes.vector_index`, raised by `store.check_embedder`)
         If the embedder is not the one the store was built with.
     """
 
     def __init__(self, store, embedder):
-        if embedder.name != store.embedder_name or int(embedder.dim) != store.dim:
-            raise IndexMismatchError(
-                mismatch_message(store.path, store.embedder_name, store.dim, embedder.name, int(embedder.dim))
-            )
+        store.check_embedder(embedder.name, int(embedder.dim))
         self.store = store
         self.embedder = embedder
 

@@ -1,0 +1,69 @@
+"""Dependencies point one way (issue 32): retrieval <- indexes <- attention <- app <- eval, with the CLI
+and UI as shells over app and eval. Checked by reading every module's imports with `ast` (function-level
+imports included), so a lazy import cannot slip an upward dependency in."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# package -> the ldqa packages it must never import
+FORBIDDEN = {
+    "retrieval": {"indexes", "attention", "kernels", "app", "eval"},
+    "indexes": {"attention", "kernels", "app", "eval"},
+    "kernels": {"retrieval", "indexes", "attention", "app", "eval"},
+    "attention": {"app", "eval"},
+    "app": {"eval"},
+}
+SHELLS = {"app/cli.py", "app/ui.py"}  # the shells may use eval (the CLI's eval command, the UI's Evaluate tab)
+
+
+def ldqa_imports(path: Path, pkg: tuple[str, ...] | None = None) -> list[tuple[int, str]]:
+    """(line, top-level ldqa package) of every `import ldqa.X...` / `from ldqa.X... import` in `path`,
+    and relative imports resolved against the file's package (`pkg`, default: its folder under ROOT)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    pkg = path.parent.relative_to(ROOT).parts if pkg is None else pkg
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from .x import y / from ..x import y
+                base = list(pkg[: len(pkg) - node.level + 1])
+                names = [".".join(["ldqa", *base, *([node.module] if node.module else [])])]
+            else:
+                names = [node.module or ""]
+        else:
+            continue
+        for n in names:
+            parts = n.split(".")
+            if parts[0] == "ldqa" and len(parts) > 1:
+                out.append((node.lineno, parts[1]))
+    return out
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted(p for p in (ROOT / package).rglob("*.py") if "sample" not in p.parts)
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_upward_imports(package):
+    bad = []
+    for path in _modules(package):
+        rel = str(path.relative_to(ROOT))
+        if rel in SHELLS:
+            continue
+        bad += [f"{rel}:{line} imports ldqa.{target}" for line, target in ldqa_imports(path)
+                if target in FORBIDDEN[package]]
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
+    """The rule must be able to fail: a function-level import and a relative one are both found."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\n\ndef f():\n    from ldqa.app.api import LongDocQA\n    from ..eval import metrics\n"
+                     "    import ldqa.indexes.store\n")
+    assert ldqa_imports(probe, ("attention",)) == [(4, "app"), (5, "eval"), (6, "indexes")]
