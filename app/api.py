@@ -642,27 +642,36 @@ class LongDocQA:
             if built.fallback_reason:
                 settings["attention_used"] = built.mode_used
                 settings["fallback_reason"] = built.fallback_reason
-            ctx, runner, passages, dstats, policy = built.context, built.runner, built.passages, built.stats, built.policy
-            gen = continue_generation(runner, ctx.cache, ctx.logits, llm.tokenizer.decode, llm.tokenizer.eos_ids,
-                                      cfg, t0=t_start)
+            gen = continue_generation(built.runner, built.context.cache, built.context.logits, llm.tokenizer.decode,
+                                      llm.tokenizer.eos_ids, cfg, t0=t_start)
             for _, delta in gen:
                 yield delta
             if debias == "buckets":
-                dstats["bucket_steps_chosen"] = list(runner.chosen)
+                built.stats.bucket_steps_chosen = list(built.runner.chosen)
         text = gen.text.strip()
-        s = gen.stats
-        timings = {"retrieval_ms": retrieval_ms, "prefill_ms": s.prefill_ms, "ttft_ms": s.ttft_ms,
-                   "decode_ms": s.decode_ms, "tokens_per_s": s.tokens_per_s, "prompt_tokens": s.prompt_tokens,
-                   "generated_tokens": s.generated_tokens, "stop_reason": s.stop_reason, "total_ms": _ms(t0)}
-        if policy is not None:
-            timings |= policy.stats.to_dict()
-        if ctx.block_stats is not None:
-            timings |= ctx.block_stats.to_dict()
-        else:
-            timings |= {"tokens_reused": 0, "tokens_computed": s.prompt_tokens}
-        timings |= dstats
-        timings.setdefault("reused_prefill_ms", ctx.reused_prefill_ms)
-        stream.answer = Answer(question, text, cite(text, passages), passages, timings, settings)
+        stream.answer = Answer(question, text, cite(text, built.passages), built.passages,
+                               _timings(gen.stats, retrieval_ms, _ms(t0), built), settings)
+
+
+def _timings(s, retrieval_ms: float, total_ms: float, built) -> dict:
+    """`Answer.timings`: the typed records of one answer merged once, in the public order: the
+    generation's `GenerationStats` `s` with retrieval_ms and total_ms (ms), then retrieval attention's
+    `RetrievalStats`, the block runtime's `PrefillStats` (exact prefills: every prompt token computed),
+    the `DebiasStats`, and reused_prefill_ms (ms; 0 when no prefill was reused)."""
+    ctx = built.context
+    timings = {"retrieval_ms": retrieval_ms, "prefill_ms": s.prefill_ms, "ttft_ms": s.ttft_ms,
+               "decode_ms": s.decode_ms, "tokens_per_s": s.tokens_per_s, "prompt_tokens": s.prompt_tokens,
+               "generated_tokens": s.generated_tokens, "stop_reason": s.stop_reason, "total_ms": total_ms}
+    if built.policy is not None:
+        timings |= built.policy.stats.to_dict()
+    if ctx.block_stats is not None:
+        timings |= ctx.block_stats.to_dict()
+    else:
+        timings |= {"tokens_reused": 0, "tokens_computed": s.prompt_tokens}
+    if built.stats is not None:
+        timings |= built.stats.to_dict()
+    timings.setdefault("reused_prefill_ms", ctx.reused_prefill_ms)
+    return timings
 
 
 def _check_max_new(n) -> int:

@@ -233,14 +233,21 @@ class BlockRuntime:
         queries), left attached. Returns (cache holding the whole prompt, logits of the last prompt token
         (1, 1, vocab), stats).
         """
-        return self.assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, with_question=True,
-                             policy=policy, headers=headers)
+        return self._assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, True, policy, headers)
 
     def assemble(self, segments, chunk_ids: list[int | None], mode: str = "block",
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64,
-                 with_question: bool = False, policy=None, headers: str = DEFAULT_HEADERS):
-        """Build the cache [prefix][h1][b1]...[hk][bk] for `segments` (`ldqa.attention.segments.PromptSegments`), ready
-        for the question to be prefilled after it.
+                 headers: str = DEFAULT_HEADERS) -> tuple[KVCache, PrefillStats]:
+        """The cache of the passages without the question (see `_assemble`): (cache, PrefillStats); the
+        tokens it recomputes (block+recompute, fresh headers) are computed in place. Raises as `_assemble`."""
+        cache, _, stats = self._assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, False, None,
+                                         headers)
+        return cache, stats
+
+    def _assemble(self, segments, chunk_ids: list[int | None], mode: str, recompute_ratio: float,
+                  extra_capacity: int, with_question: bool, policy, headers: str):
+        """Build the cache [prefix][h1][b1]...[hk][bk] for `segments` (`attention.segments.PromptSegments`),
+        ready for the question to be prefilled after it (`with_question`: in the same final pass).
 
         mode "block": bodies from stored blocks, re-encoded to their offsets.
         mode "block+recompute": also recompute, per passage, the `recompute_ratio` fraction of tokens
@@ -253,7 +260,8 @@ class BlockRuntime:
         passage: 690 of them at 16K tokens, the main TTFT cost there). Fresh headers act as an accuracy
         recovery switch for plain "block" (they are the only tokens that see across passages besides
         the question); with recomputation they make no measurable difference (docs/results.md).
-        Returns (cache, PrefillStats); with `with_question`, (cache, logits, PrefillStats) (see `prefill`).
+        Returns (cache, logits of the last computed token (1, 1, vocab) or None when none was computed,
+        PrefillStats); `with_question` appends the question to the final pass (see `prefill`).
         Raises ValueError on an unknown mode or header mode, or a ratio outside [0, 1].
         """
         if mode not in ("block", "block+recompute"):
@@ -306,7 +314,7 @@ class BlockRuntime:
         logits = self._recompute(cache, slot_ids, fresh) if fresh else None
         stats.tokens_computed += len(fresh)
         stats.assemble_ms = (time.perf_counter() - t0) * 1000
-        return (cache, logits, stats) if with_question else (cache, stats)
+        return cache, logits, stats
 
     def _recompute(self, cache: KVCache, slot_ids: list[int], slots: list[int]) -> torch.Tensor:
         """Compute the tokens at cache `slots` (sorted) fresh through all layers, in place; each attends

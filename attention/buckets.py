@@ -78,8 +78,11 @@ def bucket_context(model, fingerprint: str, prompt: PromptSegments, max_new: int
     `python -m ldqa.eval.diag_debias buckets-prefill`).
 
     Returns (branch 0's Context with the ensemble's first logits (1, 1, vocab) and the branches' summed
-    `reused_prefill_ms`, the BucketEnsemble that decodes all branches, {"debias_ms", "debias_passes"}).
+    `reused_prefill_ms`, the BucketEnsemble that decodes all branches, DebiasStats with debias_ms and
+    debias_passes; the caller fills bucket_steps_chosen from `ens.chosen` after decoding).
     """
+    from ldqa.attention.debias import DebiasStats
+
     t0 = time.perf_counter()
     shared = None  # the layers below the first global one are the same in every branch: run them once
     missing = sum(PrefillMemo.key(prompt, fingerprint, s) not in (memo or ()) for s in scales)
@@ -90,4 +93,4 @@ def bucket_context(model, fingerprint: str, prompt: PromptSegments, max_new: int
     first = ens.pick([b.logits for b in branches])
     reused = sum(b.reused_prefill_ms for b in branches)
     return (Context(prompt, branches[0].cache, first, None, reused_prefill_ms=reused), ens,
-            {"debias_ms": (time.perf_counter() - t0) * 1000, "debias_passes": len(scales)})
+            DebiasStats(debias_ms=(time.perf_counter() - t0) * 1000, debias_passes=len(scales)))

@@ -93,10 +93,6 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
-    @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Build from a Hugging Face `config.json` dict (or `PretrainedConfig.to_dict()`).
 

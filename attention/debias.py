@@ -172,6 +172,38 @@ class DebiasConfig:
                             bucket_scales=tuple(self.bucket_scales or BUCKET_SCALES) if self.method == "buckets" else None)
 
 
+@dataclass
+class DebiasStats:
+    """What debiasing did for one question (the `Answer.timings` keys of the same names).
+
+    debias_ms: its whole time (ms; with a fresh bias curve, that estimate too); debias_passes: context
+    builds (prefills or block assemblies; Attention Buckets: branches); passage_attention (k,): the mass
+    from the question to each passage as last measured; reused_prefill_ms: the time of exact prefills it
+    reused from the memo (ms); bias_curve_ms: the bias curve's lookup (ms); passage_weights (k,): the
+    intervention's scale per passage; passage_attention_reversed (k,): each passage's mass measured in
+    the reversed order (two orders); calibrated_relevance (k,); bucket_steps_chosen: per Attention
+    Buckets branch, the decode steps it chose. The per-passage lists follow the final passage order;
+    fields a method does not produce stay None and are left out of `to_dict`.
+    """
+
+    debias_ms: float = 0.0
+    debias_passes: int = 1
+    passage_attention: list[float] | None = None
+    reused_prefill_ms: float | None = None
+    bias_curve_ms: float | None = None
+    passage_weights: list[float] | None = None
+    passage_attention_reversed: list[float] | None = None
+    calibrated_relevance: list[float] | None = None
+    bucket_steps_chosen: list[int] | None = None
+
+    _ORDER = ("bias_curve_ms", "passage_weights", "passage_attention_reversed", "calibrated_relevance",
+              "debias_ms", "debias_passes", "passage_attention", "reused_prefill_ms", "bucket_steps_chosen")
+
+    def to_dict(self) -> dict:
+        """The set fields, in the order `Answer.timings` has always listed them."""
+        return {k: getattr(self, k) for k in self._ORDER if getattr(self, k) is not None}
+
+
 def global_layers(cfg) -> list[int]:
     """Layers with global attention (the ones that see every passage)."""
     return [i for i, t in enumerate(cfg.layer_types) if t == "full"]
@@ -184,6 +216,11 @@ class DebiasKV:
     record: keep the queries of the last `n_record` tokens of each multi-token pass (the question);
     log_w: (L,) additive score bias per cache slot (log of the attention weight), or None = no change.
     The biased attention is exact softmax attention with causal masking by position, plus log_w.
+
+    Exception to "all attention goes through `kernels.dispatch`": the biased attention is computed here
+    with einsum in fp32, because no dispatch kernel takes an additive per-key bias, and it only ever
+    runs for the question's T tokens (recomputed in place) and one token per decode step on the global
+    layers, where its cost is (T x L) scores per layer, small next to the prefill it follows.
     """
 
     n_record: int = 0
@@ -215,7 +252,12 @@ class DebiasKV:
 
 def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor) -> torch.Tensor:
     """Attention mass from the question to each passage: (k,) float, mean over global layers, heads and
-    question tokens. queries: layer -> (hq, T, d) recorded question queries at cache slots q_slots (T,)."""
+    question tokens. queries: layer -> (hq, T, d) recorded question queries at cache slots q_slots (T,).
+
+    Computed with its own einsum, not through `kernels.dispatch` (the documented exception, as for
+    `DebiasKV`): it needs the attention probabilities themselves, summed per passage span, which no
+    dispatch kernel returns (they return the attention output); the scores are (hq, T, L) per global
+    layer, never a full attention map."""
     cfg = model.cfg
     masses = []
     pos = cache.positions
@@ -321,10 +363,10 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     max_new: the answer budget (tokens). The context comes from callables: measure(passages) -> (Context, (k,) attention mass
     per slot), build(passages) -> Context (no measurement), bias_curve(k) -> (k,) the position bias.
 
-    Returns (Context ready to decode, passages in their final order, stats): stats holds debias_ms,
-    debias_passes (context builds), passage_attention (k,) as last measured, reused_prefill_ms, and with
-    the calibrate methods bias_curve_ms, calibrated_relevance (k,), passage_weights (k,) and, with two
-    orders, passage_attention_reversed (k,) (the per-passage lists in the final order). In block modes
+    Returns (Context ready to decode, passages in their final order, DebiasStats): debias_ms,
+    debias_passes, passage_attention and reused_prefill_ms, and with the calibrate methods
+    bias_curve_ms, calibrated_relevance, passage_weights and, with two orders,
+    passage_attention_reversed. In block modes
     the context's block stats are the first build's lookups (what the store held before this question)
     with every build's encode_ms.
     """
@@ -333,7 +375,7 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     ctx, mass = measure(passages)
     first = ctx  # block modes: the build that met the store as the question found it
     reused = ctx.reused_prefill_ms
-    out = {}
+    out = DebiasStats()
     method = cfg.method
     if method == "sort":
         for _ in range(cfg.sort_rounds):
@@ -348,7 +390,7 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     else:
         t_bias = time.perf_counter()
         bias = bias_curve(len(passages))
-        out["bias_curve_ms"] = _ms(t_bias)
+        out.bias_curve_ms = _ms(t_bias)
         k, rctx, rev = len(passages), None, None
         form = cfg.calibration
         if cfg.orders == 2 and k > 1:  # also measure in the reversed order
@@ -379,12 +421,12 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
         q_slots = torch.arange(L - n_q, L)  # the question, recomputed in place under the intervention
         ctx.logits = model(torch.tensor([ctx.prompt.question]), ctx.cache.positions[q_slots].clone(),
                            ctx.cache, slots=q_slots)
-        out["passage_weights"] = log_w.exp().tolist()
+        out.passage_weights = log_w.exp().tolist()
         if rev is not None:
-            out["passage_attention_reversed"] = rev.tolist()
-        out["calibrated_relevance"] = rel.tolist()
-    out |= {"debias_ms": _ms(t0), "debias_passes": passes, "passage_attention": mass.tolist(),
-            "reused_prefill_ms": reused}
+            out.passage_attention_reversed = rev.tolist()
+        out.calibrated_relevance = rel.tolist()
+    out.debias_ms, out.debias_passes, out.passage_attention, out.reused_prefill_ms = \
+        _ms(t0), passes, mass.tolist(), reused
     if ctx is not first and first.block_stats is not None and ctx.block_stats is not None:
         # later builds find every block stored by the first: report what the store held before this
         # question (the first's lookups, reuse and computed tokens) and all the encoding
@@ -401,4 +443,4 @@ def _ms(t0: float) -> float:
 
 __all__ = ["METHODS", "MEASURE_ORDERS", "CALIBRATION_FORMS", "CALIBRATION", "STRENGTH", "DebiasKV",
            "passage_spans", "passage_mass", "calibrated_relevance", "two_order_relevance", "log_weights",
-           "slot_bias", "reorder_for_bias", "sort_order", "DebiasConfig", "debiased_context"]
+           "slot_bias", "reorder_for_bias", "sort_order", "DebiasConfig", "DebiasStats", "debiased_context"]

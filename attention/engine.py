@@ -30,7 +30,7 @@ from ldqa.attention.bias_curve import (Calibration, bias_cache_path, curve_key, 
                                        load_or_estimate_bias)
 from ldqa.attention.block_attention import BlockConfig
 from ldqa.attention.context import CAPACITY_SLACK, Context, PrefillMemo, exact_prefill, policy_prefill
-from ldqa.attention.debias import DebiasConfig
+from ldqa.attention.debias import DebiasConfig, DebiasStats
 from ldqa.attention.retrieval_attention import RetrievalConfig
 
 
@@ -129,7 +129,7 @@ class EngineContext:
     prompt order (the debias methods may reorder); policy: the RetrievalKV of attention="retrieval" (its
     `stats` fill while decoding) or None; mode_used: the attention mode that ran ("full" when block
     reuse is off); fallback_reason: why it is not the one asked for ("" when it is); stats: the debias
-    methods' numbers (debias_ms, debias_passes, ...; {} with debias="none").
+    method's `DebiasStats` (None with debias="none").
     """
 
     context: Context
@@ -138,7 +138,7 @@ class EngineContext:
     policy: object = None
     mode_used: str = "full"
     fallback_reason: str = ""
-    stats: dict = field(default_factory=dict)
+    stats: DebiasStats | None = None
 
 
 class Engine:

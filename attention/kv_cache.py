@@ -6,7 +6,28 @@ whose positions are not 0..n-1 (blocks encoded at an offset, re-encoded blocks, 
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
+
+
+@runtime_checkable
+class AttentionPolicy(Protocol):
+    """The contract of `KVCache.policy`: a per-sequence hook that the global-attention layers consult in
+    every forward pass over the cache (prefill, recompute in place, decode). Implemented by
+    `retrieval_attention.RetrievalKV` (retrieval attention at decode) and `debias.DebiasKV` (recording the
+    question's queries; the debias intervention).
+
+    forward(layer, q, k, v, q_pos, k_pos, slots): q (batch, q_heads, n, head_dim) the layer's queries
+    after RoPE; k, v (batch, kv_heads, L, head_dim) every cached key and value of the layer including the
+    n new ones (in the query's dtype); q_pos (n,) and k_pos (L,) absolute positions (int64); slots (n,)
+    the cache slots recomputed in place, or None for appended tokens. Returns the attention output
+    (batch, q_heads, n, head_dim) in q's dtype, or None for the layer's normal (exact, causal by
+    position) attention. A policy may keep state across calls (recorded queries, statistics).
+    """
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                k_pos: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor | None: ...
 
 
 class KVCache:
@@ -26,7 +47,7 @@ class KVCache:
         self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._pos = torch.zeros(capacity, dtype=torch.long, device=device)
         self._pending = 0  # tokens appended by the forward pass in progress (committed by `advance`)
-        self.policy = None  # optional decode-attention policy (RetrievalKV, DebiasKV), consulted by global layers
+        self.policy: AttentionPolicy | None = None  # consulted by the global layers (RetrievalKV, DebiasKV)
         # RoPE base multiplier of the global-attention layers for every key in this cache (1.0: the
         # model's own base). Attention Buckets (debias="buckets") runs branches with different bases.
         self.theta_scale = 1.0

@@ -84,7 +84,7 @@ def test_engine_dispatches_every_mode_without_the_api(tiny_model_dir, tmp_path, 
     n = len(build(passages).ids())
     full = engine.context(passages, build, AttentionConfig().resolved(), 4)
     assert full.runner is lm.model and full.context.cache.length == n and full.context.logits.shape[:2] == (1, 1)
-    assert full.policy is None and full.stats == {} and full.fallback_reason == ""
+    assert full.policy is None and full.stats is None and full.fallback_reason == ""
     block = engine.context(passages, build, AttentionConfig("block").resolved(), 4)
     assert block.context.block_stats.kv_misses == len(passages)  # no store: every block encoded
     torch.testing.assert_close(block.context.logits, full.context.logits, atol=0.5, rtol=0)  # close, not equal
@@ -92,9 +92,9 @@ def test_engine_dispatches_every_mode_without_the_api(tiny_model_dir, tmp_path, 
     assert ret.policy is not None and ret.context.cache.policy is ret.policy
     # sort with one round: at most two builds; buckets with two scales: two branches
     one = engine.context(passages, build, AttentionConfig(debias=DebiasConfig("sort", sort_rounds=1)).resolved(), 4)
-    assert one.stats["debias_passes"] <= 2
+    assert one.stats.debias_passes <= 2
     two = engine.context(passages, build, AttentionConfig(debias=DebiasConfig("buckets", bucket_scales=(1.0, 2.0)))
                          .resolved(), 4)
-    assert two.stats["debias_passes"] == 2 and len(two.runner.caches) == 2
+    assert two.stats.debias_passes == 2 and len(two.runner.caches) == 2
     with pytest.raises(RuntimeError, match="calibration"):  # no Calibration given: no bias curve
         engine.context(passages, build, AttentionConfig(debias=DebiasConfig("calibrate")).resolved(), 4)
