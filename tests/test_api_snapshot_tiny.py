@@ -89,7 +89,10 @@ def test_answers_match_the_recorded_snapshot(tiny_model_dir, tmp_path, monkeypat
     old = json.loads(SNAPSHOT.read_text())
     assert len(rows) == len(old)
     for a, b in zip(old, rows):
-        assert a == b, f"{a['api']} {a['attention']}/{a['debias']} {a['kw']} {a['question']!r}"
+        diff = {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if k != "settings" and a.get(k) != b.get(k)}
+        diff |= {f"settings[{k!r}]": (a["settings"].get(k, "<absent>"), b["settings"].get(k, "<absent>"))
+                 for k in set(a["settings"]) | set(b["settings"]) if a["settings"].get(k) != b["settings"].get(k)}
+        assert not diff, f"{a['api']} {a['attention']}/{a['debias']} {a['kw']} {a['question']!r}: {diff}"
 
 
 def test_snapshot_covers_every_mode_and_knob():

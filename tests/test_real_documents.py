@@ -441,7 +441,7 @@ def test_truncate_middle_is_longbench_rule():
 
 
 # ------------------------------------------------------------- the budget through the API, CLI, UI, eval
-def test_api_drops_lowest_ranked_passages_to_fit_the_window(tiny_model_dir, tmp_path):
+def test_api_drops_lowest_ranked_passages_to_fit_the_window(tiny_model_dir, tmp_path, monkeypatch):
     from ldqa.app.api import LongDocQA
 
     sample = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
@@ -451,7 +451,8 @@ def test_api_drops_lowest_ranked_passages_to_fit_the_window(tiny_model_dir, tmp_
     assert full.settings["passages_dropped"] == 0 and len(full.passages) == 6
     assert full.settings["context_length"] == 4096 and full.settings["max_new_tokens"] == 8
     window = full.timings["prompt_tokens"] - 200  # made-up small window: the full prompt no longer fits
-    qa.llm.model.cfg.max_position_embeddings = window
+    # the loaded model is cached for the whole process: restore its window afterwards
+    monkeypatch.setattr(qa.llm.model.cfg, "max_position_embeddings", window)
     cut = qa.ask("What torque for the fan hub bolts?", top_k=6)
     dropped = cut.settings["passages_dropped"]
     assert dropped >= 1 and len(cut.passages) == 6 - dropped
