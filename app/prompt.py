@@ -11,7 +11,9 @@ Layout (token ids, each segment tokenized on its own, as plain text):
 The wording follows the prompt of "Lost in the Middle" (Liu et al. 2023), with passages numbered so the
 answer can cite them as [n]. Keeping the segments separate is what lets a passage's KV states be computed
 once and reused (issue 3): a passage body's tokens never depend on its neighbours or on its rank; only
-the few header tokens carry the rank-dependent number, and they are computed fresh in block mode.
+the few header tokens carry the rank-dependent number (in block mode cached as tiny blocks of their own,
+or computed fresh with block_headers="fresh"). The segments are `ldqa.attention.segments.PromptSegments`,
+the runtime's contract; this module only words them.
 """
 
 from __future__ import annotations

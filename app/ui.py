@@ -343,8 +343,13 @@ def run_eval(model, attention, debias, lengths, depths, compare_full, store_dir,
 
     if not lengths or not depths:
         raise gr.Error("Choose at least one context length and one needle depth.")
-    if debias != "none" and attention == "retrieval":
-        raise gr.Error("Debiasing works with full, block or block+recompute attention, not retrieval.")
+    from ldqa.attention.debias import DebiasConfig
+    from ldqa.attention.engine import AttentionConfig
+
+    try:  # the combination rules of AttentionConfig (debiasing not with retrieval, buckets only with full)
+        AttentionConfig(attention, debias=DebiasConfig(debias)).resolved()
+    except ValueError as e:
+        raise gr.Error(str(e)) from e
     out = Path(store_dir) / "eval-ui"
     mode = attention + (f"/{debias}" if debias != "none" else "")
     modes = [mode] + (["full"] if compare_full and mode != "full" else [])

@@ -336,9 +336,7 @@ class BlockRuntime:
         s = torch.tensor(slots)
         pos = cache.positions[s]
         h = self.model(torch.tensor([[slot_ids[i] for i in slots]]), pos, cache, slots=s, n_layers=1)  # (1, n, hid)
-        layer1 = self.model.model.layers[1]
-        cos, sin = _rope(self.model, 1, pos, h.dtype)
-        _, k1, _ = layer1.self_attn.project(layer1.input_layernorm(h), cos, sin)  # (1, kvh, n, d)
+        k1 = self.model.layer_keys(1, h, pos)  # (1, kvh, n, d)
         dev = (k1 - cache.keys(1)[:, :, s]).norm(dim=-1).sum(dim=1)[0]  # (n,)
         by_slot = dict(zip(slots, dev.tolist()))
         chosen = []
@@ -380,12 +378,6 @@ class BlockRuntime:
                                     f"{offset}); block reuse is off, full attention is used")
             log.warning(self.disabled_reason)
         return self.enabled
-
-
-def _rope(model, layer: int, positions, dtype):
-    from ldqa.attention.model import rope_cos_sin
-
-    return rope_cos_sin(positions, model.freqs_for(layer), dtype)
 
 
 def _finite(*tensors: torch.Tensor) -> bool:

@@ -265,6 +265,15 @@ class Transformer(nn.Module):
             self._freqs[key] = inv_freq(self.cfg.head_dim, theta, scaling)
         return self._freqs[key]
 
+    @torch.inference_mode()
+    def layer_keys(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The keys layer `layer` computes from `hidden` (1, n, hidden_size), the hidden states entering
+        it, at absolute `positions` (n,): (1, kv_heads, n, head_dim), RoPE applied with the layer's own
+        base (CacheBlend compares them with cached keys, `block_attention.BlockRuntime._select`)."""
+        block = self.model.layers[layer]
+        cos, sin = rope_cos_sin(positions, self.freqs_for(layer), hidden.dtype)
+        return block.self_attn.project(block.input_layernorm(hidden), cos, sin)[1]
+
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         """An empty KV cache for `batch` sequences in `kv_dtype`, on the model's device."""
         return KVCache(self.cfg.num_layers, batch, self.cfg.num_kv_heads, self.cfg.head_dim,
