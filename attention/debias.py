@@ -42,13 +42,13 @@ Methods (`METHODS`):
   between the two (it scales with sqrt(b_s)), gives the gold passage the flattest weight across slots
   on held-out questions' recorded attention (docs/results.md, issue 6, session 12), but the answers
   follow it only in part (full, 20 passages, 200 questions: spread 10.0 -> 8.5 points; session 13).
-- "sort": attention sorting, `sort_rounds` rounds: order passages by observed mass, ascending (most
-  attended last), rebuild the context, measure again.
+- "sort": attention sorting, `DebiasConfig.sort_rounds` rounds (default `SORT_ROUNDS`): order passages
+  by observed mass, ascending (most attended last), rebuild the context, measure again.
 - "buckets": Attention Buckets (Chen et al. 2023, "Fortify the Shortest Stave in Attention", sec. 3):
   the prompt is prefilled once per RoPE base in `BUCKET_SCALES` (a multiplier of the global layers'
   base; sliding-window layers keep theirs), each branch's attention waveform having its troughs at
   other positions; every decode step runs all branches and the most confident one picks the token
-  (`ldqa.attention.generate.BucketEnsemble`). Full attention only (stored blocks are encoded with the
+  (`ldqa.attention.buckets`). Full attention only (stored blocks are encoded with the
   model's base). Cost: len(BUCKET_SCALES) prefills and decodes, less the layers below the first global
   layer (Gemma 3 270M: 5 of 18), which no branch's base changes and which run once for all branches.
 
@@ -56,8 +56,11 @@ Extra cost per question (k passages, T question tokens): "calibrate" recomputes 
 once (with orders=2 it also builds the reversed context: block modes a re-assembly, full a prefill);
 the reordering methods rebuild the context once per round (full attention: a full prefill each; block
 attention: re-assembly from stored blocks, a few ms plus the question). The bias curve is computed
-once per (model, k, attention mode) from a calibration set built from ldqa's bundled sample documents
-and question templates of our own writing, and cached on disk.
+once per (model, k, attention mode) from calibration text the caller passes in (the app: its bundled
+sample documents) and question templates of our own writing, and cached on disk (`bias_curve`).
+
+The recipe that combines these pieces for one question is `debiased_context` (at the end of this
+module); `engine.Engine.context` calls it with the context builder of the attention mode.
 """
 
 from __future__ import annotations
