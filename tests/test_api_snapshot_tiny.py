@@ -92,7 +92,9 @@ def test_answers_match_the_recorded_snapshot(tiny_model_dir, tmp_path, monkeypat
         diff = {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if k != "settings" and a.get(k) != b.get(k)}
         diff |= {f"settings[{k!r}]": (a["settings"].get(k, "<absent>"), b["settings"].get(k, "<absent>"))
                  for k in set(a["settings"]) | set(b["settings"]) if a["settings"].get(k) != b["settings"].get(k)}
-        assert not diff, f"{a['api']} {a['attention']}/{a['debias']} {a['kw']} {a['question']!r}: {diff}"
+        where = f"{a['api']} {a['attention']}/{a['debias']} {a['kw']} {a['question']!r}"
+        assert not diff, f"{where}: {diff}"
+        assert list(a["settings"]) == list(b["settings"]), f"{where}: settings keys in another order"  # --json
 
 
 def test_snapshot_covers_every_mode_and_knob():
