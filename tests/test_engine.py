@@ -102,3 +102,18 @@ def test_engine_dispatches_every_mode_without_the_api(tiny_model_dir, tmp_path, 
     assert two.stats.debias_passes == 2 and len(two.runner.caches) == 2
     with pytest.raises(RuntimeError, match="calibration"):  # no Calibration given: no bias curve
         engine.context(passages, build, AttentionConfig(debias=DebiasConfig("calibrate")).resolved(), 4)
+
+
+def test_the_cli_offers_exactly_the_engines_choices():
+    """The CLI spells its choices out (building the parser must not import torch: `ldqa --help` stays
+    instant); this keeps them equal to the engine's."""
+    from ldqa.app.cli import build_parser
+    from ldqa.attention.block_attention import HEADER_MODES
+    from ldqa.attention.engine import ATTENTION_MODES
+
+    ask = build_parser()._subparsers._group_actions[0].choices["ask"]
+    choices = {a.dest: a.choices for a in ask._actions if a.choices is not None}
+    assert tuple(choices["attention"]) == ATTENTION_MODES
+    assert tuple(choices["debias"]) == D.METHODS
+    assert tuple(choices["debias_calibration"]) == D.CALIBRATION_FORMS
+    assert tuple(choices["block_headers"]) == HEADER_MODES
