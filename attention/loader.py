@@ -55,7 +55,7 @@ class ModelLoadError(RuntimeError):
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 SUPPORTED_HELP = ("supported: Llama (llama, also SmolLM2), Qwen2/2.5 (qwen2), Qwen3 (qwen3) and Gemma 3 (gemma3), "
                   "as a .gguf file or a Hugging Face directory (config.json + *.safetensors), run in weight format "
-                  "fp32, bf16, int8 or int4; or use a packaged model (" + ", ".join(PACKAGED_MODELS) + ")")
+                  "fp32, bf16, int8, int4 or q8_0; or use a packaged model (" + ", ".join(PACKAGED_MODELS) + ")")
 FP16_NAMES = ("fp16", "float16", "f16", "half")
 FP16_HELP = ("ldqa has no float16 format: float16 tops out at 65504, Gemma 3's activations exceed that and "
              "its logits become NaN; bf16 takes the same memory with fp32's range")
