@@ -1,4 +1,4 @@
-"""Weight formats of ldqa's runtime: fp32 (the reference), bf16, int8 and int4 weight-only quantization.
+"""Weight formats of ldqa's runtime: fp32 (the reference), bf16, int8, int4 and q8_0 weight-only quantization.
 
 Only the weight matrices of the linear layers and the token embedding (tied to the LM head in Gemma 3
 and SmolLM2) are stored compactly; norms stay fp32, and the residual stream, RoPE, attention and the KV
@@ -211,6 +211,12 @@ class QLinear(nn.Module):
 
     # -- compute
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "q8_0" and x.numel() < PREFILL_ROWS * self.in_features:  # decode: the fewest ops
+            y = cpu_linear.linear_q8_0(x.reshape(-1, self.in_features), self.qweight, self.bscales)  # (M, N) fp32
+            if self.bias is not None:
+                y = y + self.bias
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
         if self.fmt == "fp32":
@@ -221,11 +227,9 @@ class QLinear(nn.Module):
             # many rows (prefill): the packed op is slower than dequantizing once and a bf16 GEMM
             w = self.qweight.to(torch.bfloat16) * self.scales[:, None]  # (N, K) bf16
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), w)
-        elif self.fmt == "q8_0" and x2.shape[0] >= PREFILL_ROWS:
+        elif self.fmt == "q8_0":  # prefill rows (decode returned above)
             w = cpu_linear.dequantize_q8_0(self.qweight, self.bscales, torch.bfloat16)  # (N, K) bf16
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), w)
-        elif self.fmt == "q8_0":
-            y = cpu_linear.linear_q8_0(x2, self.qweight, self.bscales)  # (M, N) fp32
         elif self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
         else:

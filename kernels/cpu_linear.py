@@ -133,8 +133,7 @@ def _build() -> ctypes.CDLL:
     else:
         lib = ctypes.CDLL(str(_compile(cmd, target)))
     lib.ldqa_q8_0_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                     ctypes.c_void_p, ctypes.c_void_p]
+                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.ldqa_q8_0_linear.restype = ctypes.c_int
     return lib
 
@@ -207,15 +206,14 @@ def linear_q8_0(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    xq = torch.empty(m, k, dtype=torch.int16)
-    xd = torch.empty(m, k // QK, dtype=torch.float32)
-    args = (x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads(),
-            xq.data_ptr(), xd.data_ptr())
+    args = (x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
     if torch.autograd._profiler_enabled():  # a ctypes call is invisible to torch.profiler: name it
         with torch.profiler.record_function(PROFILER_NAME):
             rc = lib.ldqa_q8_0_linear(*args)
     else:
         rc = lib.ldqa_q8_0_linear(*args)
+    if rc == 2:
+        raise MemoryError(f"linear_q8_0: no memory for the rounded activations of x {tuple(x.shape)}")
     if rc:
         raise ValueError(f"linear_q8_0: the kernel rejected K={k}")
     return y

@@ -6,10 +6,9 @@
  *   qw (N, K) int8             N output channels
  *   d  (N, K / 32) uint16      fp16 bit patterns: w[n, k] = d[n, k / 32] * qw[n, k]
  *   y  (M, N) float32
- *   xq (M, K) int16, xd (M, K / 32) float32: scratch for the rounded activations
  *
  * Per block of 32: the int8 weights are widened to int16 and multiplied with the int16 activations by
- * _mm256_madd_epi16 (exact integer sums), converted to fp32 once and scaled by d_w * d_x in one FMA.
+ * _mm256_madd_epi16 (exact integer sums; the rounded activations live in a scratch buffer of the call), converted to fp32 once and scaled by d_w * d_x in one FMA.
  * Parallel over output channels (OpenMP, `threads` threads; torch's libgomp is already loaded in the
  * process, so the pool is the one torch's own ops use). For M > 1 a weight row is read from memory once and
  * from L1 for the other rows of x.
@@ -19,6 +18,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define QK 32
 
@@ -83,9 +83,16 @@ static inline float row_dot(const int8_t *wn, const int16_t *xr, const float *c,
 #define MAX_BLOCKS 2048 /* K <= 65536 input channels */
 
 int ldqa_q8_0_linear(const float *x, int64_t M, int64_t K, const int8_t *qw, const uint16_t *d, int64_t N,
-                     float *y, int threads, int16_t *xq, float *xd) {
+                     float *y, int threads) {
     if (K % QK || K / QK > MAX_BLOCKS) return 1;
     const int64_t nb = K / QK;
+    int16_t *xq = malloc(M * K * sizeof(int16_t));
+    float *xd = malloc(M * nb * sizeof(float));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return 2;
+    }
     quantize_x(x, M, K, xq, xd);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
@@ -97,5 +104,7 @@ int ldqa_q8_0_linear(const float *x, int64_t M, int64_t K, const int8_t *qw, con
             y[m * N + n] = row_dot(wn, xq + m * K, c, nb);
         }
     }
+    free(xq);
+    free(xd);
     return 0;
 }
