@@ -118,7 +118,10 @@ def test_weights_env_variable(monkeypatch):
     with pytest.raises(WeightFormatError, match=r"\$LDQA_WEIGHTS='q8'"):
         loader.default_weights()
     monkeypatch.delenv("LDQA_WEIGHTS")
-    assert loader.default_weights() == loader.DEFAULT_WEIGHTS == "int8"
+    assert loader.default_weights() == loader.DEFAULT_WEIGHTS == "q8_0"
+    # where the q8_0 kernel cannot be built, the default is int8 (not q8_0 on its slow reference)
+    monkeypatch.setattr(loader.cpu_linear, "available", lambda: False)
+    assert loader.default_weights() == loader.FALLBACK_WEIGHTS == "int8"
 
 
 def test_int4_without_the_op_is_refused(monkeypatch):
