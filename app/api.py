@@ -131,8 +131,9 @@ class LongDocQA:
     max_new_tokens : answer length cap (tokens); None = the collection's saved setting
         (`save_answer_settings`, kept in the store) or `DEFAULT_MAX_NEW_TOKENS` (64).
     kv_budget_mb : in-memory budget of the KV block store (MB); blocks also persist under <store>/kv.
-    weights : the LLM's weight format, "fp32" (reference), "bf16", "int8" or "int4" (weight-only
-        quantization, `ldqa.attention.quant`); None = $LDQA_WEIGHTS or `loader.DEFAULT_WEIGHTS`.
+    weights : the LLM's weight format, "fp32" (reference), "bf16", "int8", "int4" or "q8_0" (weight-only
+        quantization, `ldqa.attention.quant`); None = $LDQA_WEIGHTS or `loader.default_weights()` (q8_0,
+        or int8 where q8_0's CPU kernel cannot be built).
     kv_dtype : "fp32" (default) or "bf16", the in-memory KV cache's dtype.
 
     The model is checked here, cheaply (no weights read): its file or directory exists and reads, and its

@@ -67,8 +67,11 @@ def check_model_dtype(model) -> None:
     if tf is None:
         return
     first = tf.model.layers[0] if len(tf.model.layers) else tf.model.norm
-    probe = (tf.model.norm.weight, *tf.model.embed_tokens.buffers(), *tf.lm_head.buffers(), *first.parameters(),
-             *first.buffers())  # what .half() / .to(torch.float16) cast; not every tensor (1 ms on Gemma 3)
+    # what .half() / .to(torch.float16) cast; not every tensor (1 ms on Gemma 3). The q8_0 format's block
+    # scales are float16 by design (GGUF's layout) and are not looked at.
+    buffers = [t for mod in (tf.model.embed_tokens, tf.lm_head, first)
+               for name, t in mod.named_buffers() if not name.endswith("bscales")]
+    probe = (tf.model.norm.weight, *first.parameters(), *buffers)
     if not any(t is not None and t.dtype == torch.float16 for t in probe):
         return
     why = ("Gemma 3's activations exceed float16's range (65504) and its logits become NaN"

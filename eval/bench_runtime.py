@@ -1,6 +1,6 @@
 """ldqa's runtime in every weight format against llama.cpp, side by side in one process.
 
-    python -m ldqa.eval.bench_runtime [--formats fp32,bf16,int8,int4] [--threads 1,2] [--lengths 1416,8192]
+    python -m ldqa.eval.bench_runtime [--formats fp32,bf16,int8,int4,q8_0] [--threads 1,2] [--lengths 1416,8192]
                                       [--new-tokens 32] [--repeats 3] [--out out/bench-runtime] [--no-llama]
                                       [--shape-check]
 
@@ -23,8 +23,8 @@ hub bolts, BOS first; the same ids for every engine. Greedy texts are compared a
 tokens" counts the greedy tokens equal to the first engine's (the first `--formats` entry; fp32 by
 default), position by position.
 
-`--shape-check`: a random-weight model with Llama-3.2-1B's shapes (1.24B parameters) is built in int8
-and int4, tensor by tensor (never whole in fp32), and decodes a few tokens; its resident size is reported.
+`--shape-check`: a random-weight model with Llama-3.2-1B's shapes (1.24B parameters) is built in int8,
+int4 and q8_0, tensor by tensor (never whole in fp32), and decodes a few tokens; its resident size is reported.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def run(args) -> dict:
               "torch": torch.__version__, "rows": rows}
     if args.shape_check:
         result["shape_check"] = []
-        for fmt in ("int8", "int4"):
+        for fmt in ("int8", "int4", "q8_0"):
             torch.set_num_threads(max(threads))
             result["shape_check"].append(shape_check(fmt))
             print("shape check", result["shape_check"][-1], flush=True)
@@ -293,7 +293,7 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench_runtime", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m", help="a packaged model name or a .gguf file")
-    ap.add_argument("--formats", default="fp32,bf16,int8,int4",
+    ap.add_argument("--formats", default="fp32,bf16,int8,int4,q8_0",
                     help="ldqa weight formats, comma-separated; the first is the reference of 'same tokens'")
     ap.add_argument("--group-size", type=int, default=64, help="int4 group size")
     ap.add_argument("--threads", default="1,2", help="torch / llama.cpp thread counts, comma-separated")
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens decoded per run")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the table gives medians")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
-    ap.add_argument("--shape-check", action="store_true", help="also build a Llama-3.2-1B-shaped model in int8/int4")
+    ap.add_argument("--shape-check", action="store_true", help="also build a Llama-3.2-1B-shaped model in int8/int4/q8_0")
     ap.add_argument("--out", default="out/bench-runtime")
     args = ap.parse_args(argv)
     result = run(args)

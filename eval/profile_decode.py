@@ -27,7 +27,7 @@ from ldqa.attention.loader import load_model
 from ldqa.eval.bench_runtime import prompt_ids, write_report
 
 MATMUL_OPS = ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::addmm", "aten::mm",
-              "aten::linear")
+              "aten::linear", "ldqa::linear_q8_0")
 
 
 def _ms(f, n: int) -> float:

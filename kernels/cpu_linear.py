@@ -1,0 +1,219 @@
+"""The CPU matmul of the `q8_0` weight format: ldqa's own C kernel (`q8_0.c`) and its torch reference.
+
+Q8_0 is GGUF's (llama.cpp's) 8-bit layout: int8 values in blocks of 32 input channels, one fp16 scale per
+block, w[n, k] = d[n, k // 32] * q[n, k]. Gemma 3's GGUF stores its token embedding (the tied LM head, 63%
+of the model's bytes) this way, so keeping the layout keeps those weights exactly as shipped.
+
+Why a kernel of our own: for one decode row, PyTorch's packed int8 op (`_weight_int8pack_mm`) reads weights
+at ~6 GB/s on one core of the dev machine, which made int8 decode 0.46x llama.cpp's (docs/results.md, issue
+30); no aten or torchao op reads group-wise int8 on the CPU. The kernel widens the int8 weights to int16
+and multiplies them with the activations rounded to int16 per block of 32 (`_mm256_madd_epi16`): every
+block's integer dot product is exact, then scaled once by d_w * d_x in fp32. The activation rounding is
+at most 2^-16 of the block's largest value (bf16, which the aten paths use, rounds at 2^-9). llama.cpp's
+Q8_0 path rounds activations to int8 instead.
+
+Build: at first use, with the machine's C compiler (`cc -O3 -march=native -fopenmp`), into
+`$LDQA_CACHE_DIR/kernels/` (or the user cache), keyed by the source, the compiler and the CPU flags;
+loaded with ctypes (the GIL is released during the call). Needs x86-64 with AVX2, FMA and F16C. Where it
+cannot be built (no compiler, another CPU), `available()` is False with the reason in
+`unavailable_reason()`, and `linear_q8_0` computes the same product with the torch reference (correct,
+slow). `LDQA_CPU_KERNELS=torch` forces the reference (read once per process; `reset()` re-reads it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+QK = 32  # input channels per block (GGUF's QK8_0)
+MAX_K = 65536  # the kernel's stack buffer holds the scales of 2048 blocks
+PROFILER_NAME = "ldqa::linear_q8_0"  # the kernel's name in torch.profiler tables
+_SOURCE = Path(__file__).with_name("q8_0.c")
+_REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+# --------------------------------------------------------------------------- reference
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 -> (xq (M, K) int16, xd (M, K/32) float32) with x ~= xd * xq per block of 32,
+    xd = amax / 32767 (as `q8_0.c` rounds them: nearest, ties to even)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // QK, QK)  # (M, B, 32)
+    amax = xb.abs().amax(-1)  # (M, B)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv[..., None]).to(torch.int16).reshape(m, k)
+    return xq, amax / 32767.0
+
+
+def linear_q8_0_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for a Q8_0 weight, in torch, with the kernel's arithmetic (int16 activations per block,
+    exact integer block sums, fp32 scaling). Summation order differs from the kernel's (8-lane partial
+    sums), so results agree to fp32 rounding, not bit for bit.
+
+    x: (M, K) float32; qweight: (N, K) int8; scales: (N, K/32) float16 -> y: (M, N) float32.
+    """
+    m, k = x.shape
+    n = qweight.shape[0]
+    xq, xd = quantize_activations(x)
+    # block sums are integers below 2^24, so fp32 holds them exactly
+    sums = torch.einsum("mbi,nbi->mnb", xq.float().reshape(m, k // QK, QK),
+                        qweight.float().reshape(n, k // QK, QK))  # (M, N, B)
+    return (sums * (xd[:, None, :] * scales.float()[None])).sum(-1)
+
+
+def dequantize_q8_0(qweight: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """qweight (N, K) int8, scales (N, K/32) float16 -> w (N, K) in `dtype` (w = d * q, computed in fp32)."""
+    n, k = qweight.shape
+    w = qweight.float().reshape(n, k // QK, QK) * scales.float()[..., None]  # (N, B, 32)
+    return w.reshape(n, k).to(dtype)
+
+
+# --------------------------------------------------------------------------- the C kernel
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("LDQA_CACHE_DIR")
+    if env:
+        return Path(env) / "kernels"
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("ldqa")) / "kernels"
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (once per source, compiler and CPU) and load the kernel. Raises RuntimeError saying why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"the q8_0 CPU kernel is written for x86-64 (this machine: {platform.machine()})")
+    flags = _cpu_flags()
+    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in flags]
+    if missing:
+        raise RuntimeError(f"the q8_0 CPU kernel needs the CPU features {', '.join(missing)}")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (cc, gcc or clang; or set CC) to build the q8_0 CPU kernel")
+    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join([_SOURCE.read_text(), " ".join(cmd), version,
+                                    " ".join(sorted(flags))]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"q8_0-{key}.so"
+    if target.exists():
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as e:  # a damaged file (disk full, someone's copy): build it again
+            log.warning("cached q8_0 kernel %s cannot be loaded (%s); rebuilding it", target, e)
+            lib = ctypes.CDLL(str(_compile(cmd, target)))
+    else:
+        lib = ctypes.CDLL(str(_compile(cmd, target)))
+    lib.ldqa_q8_0_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.ldqa_q8_0_linear.restype = ctypes.c_int
+    return lib
+
+
+def _compile(cmd: list[str], target: Path) -> Path:
+    """Compile q8_0.c to `target` through a temporary file renamed into place (a crash never leaves a
+    half-written library under the final name). Raises RuntimeError with the compiler's message."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        res = subprocess.run(cmd + ["-o", str(out), str(_SOURCE)], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"building the q8_0 CPU kernel failed ({' '.join(cmd)}): {res.stderr.strip()[:500]}")
+        os.replace(out, target)
+    log.info("built the q8_0 CPU kernel: %s", target)
+    return target
+
+
+def _lib() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (reference) — decided once per process (see `reset`)."""
+    if "lib" in _state:
+        return _state["lib"]
+    with _lock:
+        if "lib" not in _state:
+            if os.environ.get("LDQA_CPU_KERNELS", "").strip().lower() == "torch":
+                _state["lib"], _state["why"] = None, "LDQA_CPU_KERNELS=torch"
+            else:
+                try:
+                    _state["lib"], _state["why"] = _build(), None
+                except (RuntimeError, OSError) as e:
+                    _state["lib"], _state["why"] = None, str(e)
+                    log.warning("%s; q8_0 weights use the torch reference (slow): use weights='int8' for speed", e)
+    return _state["lib"]
+
+
+def reset() -> None:
+    """Forget the build decision, so the next call re-reads LDQA_CPU_KERNELS and rebuilds (tests)."""
+    with _lock:
+        _state.clear()
+
+
+def available() -> bool:
+    """Whether the C kernel is built and loaded (compiling it on the first call, ~1 s).
+    LDQA_CPU_KERNELS=torch (read once per process) makes it False."""
+    return _lib() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel is not available; None when it is."""
+    _lib()
+    return _state.get("why")
+
+
+def linear_q8_0(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for a Q8_0 weight on the CPU: the C kernel when available, else the torch reference.
+
+    x: (M, K) float32 (other float dtypes are cast); qweight: (N, K) int8 contiguous; scales: (N, K/32)
+    float16 contiguous -> y: (M, N) float32. Runs on torch.get_num_threads() threads. Cost: reads the
+    weight once per 4 rows of x, so it is meant for few rows (decode); prefill dequantizes instead.
+    Raises ValueError when K is not a multiple of 32 or the shapes disagree.
+    """
+    m, k = x.shape
+    n = qweight.shape[0]
+    if k % QK or k > MAX_K or qweight.shape[1] != k or scales.shape != (n, k // QK):
+        raise ValueError(f"linear_q8_0: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
+                         f"{tuple(scales.shape)} do not fit (K must be a multiple of {QK}, at most {MAX_K})")
+    lib = _state["lib"] if "lib" in _state else _lib()
+    if lib is None or x.device.type != "cpu":
+        return linear_q8_0_reference(x, qweight, scales)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    args = (x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    if torch.autograd._profiler_enabled():  # a ctypes call is invisible to torch.profiler: name it
+        with torch.profiler.record_function(PROFILER_NAME):
+            rc = lib.ldqa_q8_0_linear(*args)
+    else:
+        rc = lib.ldqa_q8_0_linear(*args)
+    if rc == 2:
+        raise MemoryError(f"linear_q8_0: no memory for the rounded activations of x {tuple(x.shape)}")
+    if rc:
+        raise ValueError(f"linear_q8_0: the kernel rejected K={k}")
+    return y

@@ -1,0 +1,158 @@
+"""The q8_0 weight format's CPU kernel (kernels/q8_0.c via kernels/cpu_linear.py) against its torch
+reference and against an fp32 product; GGUF Q8_0 round trips; the fallbacks when it cannot be built."""
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+
+from ldqa.attention.quant import QEmbedding, QLinear, quantize_portable, quantize_q8_0
+from ldqa.kernels import cpu_linear as C
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_build(tmp_path_factory, monkeypatch):
+    """Each test decides the build again, in a cache directory of this module (the first test compiles)."""
+    monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cpu-linear-cache"))
+    monkeypatch.delenv("LDQA_CPU_KERNELS", raising=False)
+    C.reset()
+    yield
+    C.reset()
+
+
+def _q8(n, k, seed=0, scale=0.02):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * scale
+    return quantize_q8_0(w)
+
+
+@pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
+def test_kernel_builds_on_this_machine():
+    # every machine this project runs on (dev, CI) is x86-64 with AVX2 and gcc: a silent fallback to the
+    # slow reference there would be a defect, so this fails instead of skipping
+    assert C.available(), C.unavailable_reason()
+
+
+@pytest.mark.parametrize("n,k,m", [(1, 32, 1), (37, 64, 1), (300, 640, 1), (300, 640, 3), (129, 96, 5),
+                                   (64, 2048, 33)])
+def test_kernel_matches_reference_and_fp32(n, k, m):
+    q, d = _q8(n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = C.linear_q8_0(x, q, d)
+    ref = C.linear_q8_0_reference(x, q, d)
+    exact = x.double() @ C.dequantize_q8_0(q, d).double().t()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    scale = float(exact.abs().max())
+    # same integers, summed in another order: fp32 rounding only
+    assert float((y - ref).abs().max()) <= 1e-5 * scale
+    # against the float product of the same weights: the int16 rounding of the activations (2^-16 of a
+    # block's largest value) is the only approximation
+    assert float((y.double() - exact).abs().max()) <= 2e-4 * scale
+
+
+def test_extreme_values_do_not_overflow():
+    # every weight +-127 and every activation at its block's maximum: the largest integer block sums
+    k, n = 640, 16
+    q = torch.full((n, k), 127, dtype=torch.int8)
+    q[1::2] = -127
+    d = torch.full((n, k // 32), 0.5, dtype=torch.float16)
+    x = torch.full((2, k), 1e4)
+    x[1] = -3e-3
+    y = C.linear_q8_0(x, q, d)
+    want = x.double() @ C.dequantize_q8_0(q, d).double().t()
+    assert torch.allclose(y.double(), want, rtol=1e-5)
+
+
+def test_zero_blocks_and_zero_activations():
+    q, d = _q8(40, 64)
+    q[:, :32], d[:, 0] = 0, 0  # an all-zero block (quantize_q8_0 gives d = 0 for it)
+    x = torch.zeros(2, 64)
+    x[1, 40] = 3.0
+    y = C.linear_q8_0(x, q, d)
+    assert torch.equal(y[0], torch.zeros(40))
+    assert torch.allclose(y[1], C.dequantize_q8_0(q, d)[:, 40] * 3.0, rtol=1e-4)
+
+
+def test_bad_shapes_are_refused():
+    q, d = _q8(8, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        C.linear_q8_0(torch.randn(1, 48), q[:, :48], d[:, :1])
+    with pytest.raises(ValueError, match="do not fit"):
+        C.linear_q8_0(torch.randn(1, 64), q, d[:, :1])
+
+
+def test_gguf_q8_0_round_trips_exactly():
+    # a tensor as llama.cpp stores it (gguf-py's own Q8_0 quantizer), dequantized as the loader reads
+    # GGUF tensors, comes back as the very same int8 values and fp16 scales
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    w = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32) * 0.05
+    raw = quantize(w, GGMLQuantizationType.Q8_0)  # (48, 8 blocks * 34 bytes)
+    blocks = raw.reshape(48, 8, 34)
+    d_gguf = torch.from_numpy(blocks[..., :2].copy().view(np.float16).reshape(48, 8))
+    q_gguf = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(48, 256))
+    q, d = quantize_q8_0(torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0)))
+    assert torch.equal(q, q_gguf) and torch.equal(d, d_gguf)
+
+
+def test_q8_0_layer_decode_and_prefill_paths():
+    w, b = torch.randn(96, 128), torch.randn(96)
+    lin = QLinear.from_float(w, b, "q8_0")
+    assert lin.fmt == "q8_0" and lin.qweight.dtype == torch.int8 and lin.bscales.dtype == torch.float16
+    deq = lin.dequantized()
+    for rows, tol in ((1, 1e-4), (5, 1e-4), (40, 0.02)):  # 40 rows: dequantized bf16 GEMM (prefill)
+        x = torch.randn(2, rows, 128)
+        want = x @ deq.t() + b
+        assert float((lin(x) - want).abs().max()) <= tol * float(want.abs().max()), rows
+    # a q8_0 weight whose input width is no multiple of 32 is stored as int8
+    assert QLinear.from_float(torch.randn(8, 48), None, "q8_0").fmt == "int8"
+
+
+def test_q8_0_embedding_rows_are_the_heads_weights():
+    w = torch.randn(64, 32)
+    t = quantize_portable(w, "q8_0")
+    emb, head = QEmbedding(t, 64, 32), QLinear.from_portable(t, None, 32, 64)
+    assert emb.fmt == "q8_0"
+    assert torch.equal(emb(torch.tensor([[0, 5, 63]]))[0], head.dequantized()[[0, 5, 63]])
+
+
+def test_env_forces_the_reference(monkeypatch):
+    monkeypatch.setenv("LDQA_CPU_KERNELS", "torch")
+    C.reset()
+    assert not C.available() and "LDQA_CPU_KERNELS" in C.unavailable_reason()
+    q, d = _q8(50, 64)
+    x = torch.randn(2, 64)
+    assert torch.equal(C.linear_q8_0(x, q, d), C.linear_q8_0_reference(x, q, d))
+
+
+def test_no_compiler_falls_back_to_the_reference_with_the_reason(monkeypatch, caplog):
+    monkeypatch.setattr(C, "_compiler", lambda: None)
+    assert not C.available()
+    assert "no C compiler" in C.unavailable_reason() or not X86
+    q, d = _q8(50, 64)
+    x = torch.randn(1, 64)
+    assert torch.equal(C.linear_q8_0(x, q, d), C.linear_q8_0_reference(x, q, d))
+
+
+@pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
+def test_failed_build_and_damaged_library(monkeypatch, tmp_path):
+    bad = tmp_path / "q8_0.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(C, "_SOURCE", bad)
+    assert not C.available() and "building the q8_0 CPU kernel failed" in C.unavailable_reason()
+    monkeypatch.undo()
+    monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "a"))
+    C.reset()
+    assert C.available()
+    (lib,) = (tmp_path / "a" / "kernels").glob("q8_0-*.so")
+    # a damaged copy under the name a later process would load (truncated by a crash or a full disk);
+    # written to another directory: the library loaded above stays mapped and must not be touched
+    damaged = tmp_path / "b" / "kernels" / lib.name
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(lib.read_bytes()[:100])
+    monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "b"))
+    C.reset()
+    assert C.available(), C.unavailable_reason()  # rebuilt, not loaded damaged
+    assert damaged.stat().st_size == lib.stat().st_size
