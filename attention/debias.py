@@ -416,14 +416,15 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
                 reused += ctx.reused_prefill_ms
                 passes += 1
         log_w = log_weights(rel, measured, cfg.strength, form, bias=bias)
-        L = ctx.cache.length
-        n_q = len(ctx.prompt.question)
-        hook = DebiasKV(log_w=slot_bias(passage_spans(ctx.prompt), log_w, L + max_new + CAPACITY_SLACK),
-                        scale=model.cfg.attn_scale)
-        ctx.cache.policy = hook
-        q_slots = torch.arange(L - n_q, L)  # the question, recomputed in place under the intervention
-        ctx.logits = model(torch.tensor([ctx.prompt.question]), ctx.cache.positions[q_slots].clone(),
-                           ctx.cache, slots=q_slots)
+        if bool(log_w.any()):  # all zero (strength 0, equal relevance): nothing to change, the context stands
+            L = ctx.cache.length
+            n_q = len(ctx.prompt.question)
+            hook = DebiasKV(log_w=slot_bias(passage_spans(ctx.prompt), log_w, L + max_new + CAPACITY_SLACK),
+                            scale=model.cfg.attn_scale)
+            ctx.cache.policy = hook
+            q_slots = torch.arange(L - n_q, L)  # the question, recomputed in place under the intervention
+            ctx.logits = model(torch.tensor([ctx.prompt.question]), ctx.cache.positions[q_slots].clone(),
+                               ctx.cache, slots=q_slots)
         out.passage_weights = log_w.exp().tolist()
         if rev is not None:
             out.passage_attention_reversed = rev.tolist()
