@@ -35,6 +35,17 @@ DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collec
 ABSTAIN_BELOW = 0.25
 
 
+def repeats_itself(text: str, n: int = 4, below: float = 0.25) -> bool:
+    """Whether `text` is mostly one short pattern repeated ("1000000...", "| | | |" rows): fewer than
+    `below` of its character n-grams are distinct. A derailed generation looks like this; a sentence or a
+    table with content does not (their n-grams are mostly distinct). Texts under 24 characters: False."""
+    t = text.strip()
+    if len(t) < 24:
+        return False
+    grams = [t[i:i + n] for i in range(len(t) - n + 1)]
+    return len(set(grams)) < below * len(grams)
+
+
 @dataclass
 class Answer:
     """A cited answer.
@@ -81,7 +92,11 @@ class Answer:
         """What a reader should know about how this answer was made ("" when nothing): a cut answer, or
         passages left out to fit the model's window."""
         parts = []
-        if self.truncated:
+        if self.truncated and repeats_itself(self.text):
+            parts.append(f"the answer ran to max_new_tokens={self.settings.get('max_new_tokens')} tokens repeating "
+                         "itself: the model derailed (a longer budget will not help; try --attention full, or "
+                         "rephrase)")
+        elif self.truncated:
             parts.append(f"the answer was cut at max_new_tokens={self.settings.get('max_new_tokens')} tokens "
                          "(raise max_new_tokens for a longer one)")
         if self.settings.get("abstained"):

@@ -550,3 +550,22 @@ def test_off_topic_question_abstains_without_running_the_model(tiny_model_dir, t
     assert "abstained" not in qa.ask("Who won the 2018 FIFA World Cup?", top_k=3, retriever="bm25").settings
     with pytest.raises(ValueError, match="abstain_below"):
         qa.ask("q?", abstain_below=2.0)
+
+
+def test_a_derailed_answer_is_not_called_merely_cut():
+    from ldqa.app.api import Answer, repeats_itself
+
+    def ans(text):
+        return Answer("q?", text, [], [], {"stop_reason": "max_new_tokens"}, {"max_new_tokens": 64})
+
+    # what the sample's error-code question gets in block mode, and an empty-table loop
+    for junk in ("1" + "0" * 63, "$1,180 |\n" + "| | | |\n" * 10):
+        assert repeats_itself(junk)
+        assert "repeating itself: the model derailed" in ans(junk).notice
+        assert "raise max_new_tokens" not in ans(junk).notice
+    # real answers cut short, a real table, and short texts are not flagged
+    for fine in ("The SL-30 holds a maximum load of 3.2 cubic metres of stacked lumber, which is a",
+                 "| Model | Price |\n|---|---|\n| SL-30 | EUR 6,900 |\n| SL-30 Pro | EUR 8,450 |",
+                 "E-03.", "no no no no no"):
+        assert not repeats_itself(fine), fine
+    assert "raise max_new_tokens" in ans("The SL-30 holds a maximum load of 3.2 cubic metres of stacked").notice
