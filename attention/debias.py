@@ -236,8 +236,8 @@ class DebiasKV:
         (None: the layer runs its normal attention)."""
         if self.n_record and q.shape[2] > 1:
             self.queries[layer] = q[0, :, -self.n_record:].detach().float()  # (hq, n_record, d)
-        if self.log_w is None or not bool(self.log_w.any()):
-            return None  # no weights, or all zero (strength 0): exactly the layer's normal attention
+        if self.log_w is None:
+            return None
         L = k.shape[2]
         bias = torch.zeros(L)
         n = min(L, self.log_w.shape[0])
