@@ -191,8 +191,9 @@ def linear_q8_0(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     """y = x W^T for a Q8_0 weight on the CPU: the C kernel when available, else the torch reference.
 
     x: (M, K) float32 (other float dtypes are cast); qweight: (N, K) int8 contiguous; scales: (N, K/32)
-    float16 contiguous -> y: (M, N) float32. Runs on torch.get_num_threads() threads. Cost: reads the
-    weight once per 4 rows of x, so it is meant for few rows (decode); prefill dequantizes instead.
+    float16 contiguous -> y: (M, N) float32. Runs on torch.get_num_threads() threads. Cost: each weight row
+    is read from memory once and widened again per row of x, so it is meant for few rows (decode);
+    prefill dequantizes instead.
     Raises ValueError when K is not a multiple of 32 or the shapes disagree.
     """
     m, k = x.shape
