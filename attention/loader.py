@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from ldqa.attention.config import ModelConfig, UnsupportedModelError
 from ldqa.attention.model import Transformer
 from ldqa.attention.quant import (DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QEmbedding, QLinear, WeightFormatError,
-                                  check_format, quantize_portable)
+                                  check_format, fuse_decode, quantize_portable)
 from ldqa.kernels import cpu_linear
 
 log = logging.getLogger(__name__)
@@ -233,6 +233,8 @@ def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedMode
         model = _build_model(src.cfg, _read_cache(path), path)
     model.kv_dtype = KV_DTYPES[kv_dtype]
     model.weight_format = weights
+    if weights == "q8_0":  # decode each layer in two C calls (quant.FusedDecode); prefill is unchanged
+        fuse_decode(model)
     model.model_name = name  # error messages of the runtime (generate.NonFiniteLogitsError) name it
     tok = Tokenizer(_auto_tokenizer(src.meta_dir), src.cfg.eos_token_ids)
     fp = src.fingerprint if weights == "fp32" else hashlib.sha256(

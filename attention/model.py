@@ -37,6 +37,10 @@ class RMSNorm(nn.Module):
         w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
         return w * xf if fp32 else w * xf.type_as(x)
 
+    def multiplier(self) -> torch.Tensor:
+        """The fp32 (dim,) vector the normalized input is multiplied by: 1 + w (Gemma) or w."""
+        return self._plus_one_weight() if self.plus_one else self.weight.float()
+
     def _plus_one_weight(self) -> torch.Tensor:
         """1 + w in fp32, computed once per version of the weight (the same values as computing it each call)."""
         w = self.weight
@@ -146,7 +150,17 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, positions, cache: KVCache | None, masks: dict, slots=None):
-        q, k, v = self.project(x, cos, sin)
+        """x: (batch, n, hidden) -> (batch, n, hidden): project, attend (writing the cache), o_proj."""
+        out = self.attend(*self.project(x, cos, sin), positions, cache, masks, slots)  # (b, h, n, d)
+        b, h, n, d = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
+
+    def attend(self, q, k, v, positions, cache: KVCache | None, masks: dict, slots=None) -> torch.Tensor:
+        """Attention of this layer's new q (batch, heads, n, d), k, v (batch, kv_heads, n, d) (RoPE applied)
+        over the cache: the new k, v are written to `cache` (appended at `positions`, or in place at
+        `slots`), then the layer's attention rule (causal, Gemma 3's sliding window, the cache policy's
+        hook on global layers) -> (batch, heads, n, d) in q's dtype. `masks` is shared by the layers of
+        one forward pass (masks and window plans are built once per pass)."""
         if slots is not None:  # recompute tokens already in the cache, in place
             k, v, k_pos = cache.write_at(self.layer, k, v, slots)
         elif cache is not None:
@@ -163,8 +177,7 @@ class Attention(nn.Module):
             # (RetrievalKV: retrieval attention; DebiasKV: position debiasing); None = normal attention
             out = policy.forward(self.layer, q, k, v, positions, k_pos, slots)  # (b, h, n, d) or None
             if out is not None:
-                b, h, n, d = out.shape
-                return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
+                return out
         if kind == "sliding" and q.shape[2] <= 16 and "sliding_decode" not in masks:
             # decode: only the last `window` positions can be seen; read just those keys (exact).
             # Planned once per forward pass, shared by every sliding layer (None: positions not ascending)
@@ -175,26 +188,23 @@ class Attention(nn.Module):
                 masks["sliding_decode"] = (lo, None if bool(m.all()) else m)
         if kind == "sliding" and q.shape[2] <= 16 and masks["sliding_decode"] is not None:
             lo, m = masks["sliding_decode"]
-            out = dispatch.attention(q, k[:, :, lo:].to(q.dtype), v[:, :, lo:].to(q.dtype), mask=m,
-                                     scale=self.cfg.attn_scale)
-            b, h, n, d = out.shape
-            return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
+            k, v = k[:, :, lo:], v[:, :, lo:]
+            if k.dtype != q.dtype:  # a bf16 cache: cast just the window
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            return dispatch.attention(q, k, v, mask=m, scale=self.cfg.attn_scale)
         if kind == "sliding" and q.shape[2] > 16 and _ascending(positions) and _ascending(k_pos):
             # many queries: visit only the keys inside their windows
             if "window_plan" not in masks:  # shared by every sliding layer of this forward pass
                 masks["window_plan"] = window_plan(positions, k_pos, self.cfg.sliding_window)
-            out = windowed_attention(q, k, v, positions, k_pos, self.cfg.sliding_window, self.cfg.attn_scale,
-                                     plan=masks["window_plan"])
-            b, h, n, d = out.shape
-            return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
+            return windowed_attention(q, k, v, positions, k_pos, self.cfg.sliding_window, self.cfg.attn_scale,
+                                      plan=masks["window_plan"])
         if kind not in masks:
             window = self.cfg.sliding_window if kind == "sliding" else None
             m = attention_mask(positions, k_pos, window)
             masks[kind] = None if bool(m.all()) else m
-        k, v = k.to(q.dtype), v.to(q.dtype)  # no-op unless a bf16 cache reached here uncast
-        out = dispatch.attention(q, k, v, mask=masks[kind], scale=self.cfg.attn_scale)  # (b, h, n, d)
-        b, h, n, d = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
+        if k.dtype != q.dtype:  # a bf16 cache that reached here uncast
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        return dispatch.attention(q, k, v, mask=masks[kind], scale=self.cfg.attn_scale)  # (b, h, n, d)
 
 
 class MLP(nn.Module):
@@ -215,8 +225,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One transformer block. `fused`: None, or an object with `attn_in(x, cos, sin) -> q, k, v` and
+    `attn_out(x, attn) -> x` (`quant.FusedDecode`: the block's q8_0 decode in two C calls) used for one
+    new token of one sequence; attention itself (`Attention.attend`) is the same in both paths."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.fused = None
         gemma = cfg.family == "gemma3"
         self.sandwich = gemma  # Gemma: extra norms after attention and after the MLP
         self.self_attn = Attention(cfg, layer)
@@ -228,6 +243,10 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
     def forward(self, x, cos, sin, positions, cache, masks, slots=None):
+        one = slots is None and x.shape[0] == 1 and x.shape[1] == 1 and x.dtype == torch.float32
+        if self.fused is not None and one:  # one token of one sequence: the layer in two C calls
+            q, k, v = self.fused.attn_in(x, cos, sin)
+            return self.fused.attn_out(x, self.self_attn.attend(q, k, v, positions, cache, masks))
         a = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, masks, slots)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)

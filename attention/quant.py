@@ -333,3 +333,99 @@ def model_nbytes(model: nn.Module) -> int:
             seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
+
+
+# --------------------------------------------------------------------------- fused q8_0 decode
+class FusedDecode:
+    """One decoder layer's decode (one token of one sequence) in two calls of ldqa's q8_0 C kernel:
+    `attn_in` (input RMSNorm, q|k|v projection in one product, q/k norms, RoPE) and `attn_out` (o_proj,
+    the norms and residual adds, gate|up in one product, the activation, down_proj). Attention itself stays
+    `Attention.attend` (KV cache, masks, the global layers' hooks), so every attention mode runs unchanged.
+
+    Why: a decode step of Gemma 3 270M ran ~1,900 small torch ops (~100 per layer, a few µs each) around
+    its matmuls, and 7 kernel calls per layer; this makes it 2 calls + attention's ops (docs/results.md,
+    issue 30). The arithmetic is the modules' (same formulas, fp32), not bit-identical: sums run in
+    another order (tests/test_cpu_linear.py bounds the difference; greedy text compared in docs/results.md).
+
+    Building it concatenates q/k/v's and gate/up's quantized rows and re-points the modules' buffers at
+    views of the concatenation, so the weights are held once (prefill still uses the modules).
+    """
+
+    def __init__(self, layer: nn.Module, cfg):
+        a, m = layer.self_attn, layer.mlp
+        self.wqkv, self.dqkv = _concat_rows([a.q_proj, a.k_proj, a.v_proj])
+        biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+        self.bias = None if biases[0] is None else torch.cat(biases).float().contiguous()
+        self.wgu, self.dgu = _concat_rows([m.gate_proj, m.up_proj])
+        self.o_proj, self.down_proj = a.o_proj, m.down_proj
+        self.in_norm = layer.input_layernorm
+        self.q_norm = a.q_norm if cfg.qk_norm else None
+        self.k_norm = a.k_norm if cfg.qk_norm else None
+        if layer.sandwich:  # Gemma 3: x + n(o) -> h; h + n(mlp(n(h)))
+            self.attn_norm, self.ff_norm = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+            self.ff_out_norm = layer.post_feedforward_layernorm
+        else:  # x + o -> h; h + mlp(n(h))
+            self.attn_norm, self.ff_norm, self.ff_out_norm = None, layer.post_attention_layernorm, None
+        self.act = "silu" if cfg.hidden_act == "silu" else "gelu_tanh"
+        self.eps, self.n_heads, self.n_kv, self.d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden = cfg.hidden_size
+
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: (1, 1, hidden) float32; cos, sin: (1, head_dim) -> q (1, heads, 1, d), k, v (1, kv_heads, 1, d)."""
+        h, kv, d = self.n_heads, self.n_kv, self.d
+        out = cpu_linear.decode_attn_in(
+            x.reshape(-1).contiguous(), self.in_norm.multiplier(), self.eps, self.wqkv, self.dqkv, self.bias, h, kv, d,
+            None if self.q_norm is None else self.q_norm.multiplier(),
+            None if self.k_norm is None else self.k_norm.multiplier(), cos.reshape(-1).contiguous(),
+            sin.reshape(-1).contiguous())
+        return (out[: h * d].view(1, h, 1, d), out[h * d: (h + kv) * d].view(1, kv, 1, d),
+                out[(h + kv) * d:].view(1, kv, 1, d))
+
+    def attn_out(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x: (1, 1, hidden) the layer's input; attn: (1, heads, 1, d) attention output -> (1, 1, hidden)."""
+        y = cpu_linear.decode_attn_out(
+            x.reshape(-1).contiguous(), attn.reshape(-1).float().contiguous(), self.o_proj.qweight,
+            self.o_proj.bscales, None if self.attn_norm is None else self.attn_norm.multiplier(),
+            self.ff_norm.multiplier(), None if self.ff_out_norm is None else self.ff_out_norm.multiplier(), self.eps,
+            self.wgu, self.dgu, self.act, self.down_proj.qweight, self.down_proj.bscales)
+        return y.view(1, 1, self.hidden)
+
+
+def _concat_rows(mods: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate q8_0 QLinears' rows (qweight, bscales) and make each module's buffers views of them."""
+    w = torch.cat([m.qweight for m in mods]).contiguous()
+    d = torch.cat([m.bscales for m in mods]).contiguous()
+    start = 0
+    for m in mods:
+        n = m.qweight.shape[0]
+        m.qweight, m.bscales = w[start: start + n], d[start: start + n]
+        start += n
+    return w, d
+
+
+def _fusable(layer: nn.Module, cfg) -> bool:
+    a, m = layer.self_attn, layer.mlp
+    mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+    return (all(isinstance(p, QLinear) and p.fmt == "q8_0" and p.qweight.device.type == "cpu" for p in mods)
+            and cfg.hidden_act in ("silu", "gelu_pytorch_tanh", "gelu_tanh")
+            and a.o_proj.bias is None)
+
+
+def fuse_decode(model: nn.Module) -> int:
+    """Give every decoder layer whose linear layers are all q8_0 (on the CPU) a `FusedDecode`, when the q8_0
+    C kernel is available (else nothing changes). Returns the number of layers fused. `unfuse_decode`
+    undoes it (the module path: same weights, ~100 torch ops per layer)."""
+    if not cpu_linear.available():
+        return 0
+    n = 0
+    for layer in model.model.layers:
+        if _fusable(layer, model.cfg):
+            layer.fused = FusedDecode(layer, model.cfg)
+            n += 1
+    return n
+
+
+def unfuse_decode(model: nn.Module) -> None:
+    """Decode through the modules again (for side-by-side benchmarks and tests)."""
+    for layer in model.model.layers:
+        layer.fused = None

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ldqa.attention.loader import load_model, resolve_gguf
-from ldqa.attention.quant import QLinear, model_nbytes
+from ldqa.attention.quant import QLinear, fuse_decode, model_nbytes, unfuse_decode
 
 QUESTION = "\n\nQuestion: What torque should the fan hub bolts be tightened to?\nAnswer:"
 
@@ -89,16 +89,39 @@ def decode_bytes(model) -> int:
 
 # --------------------------------------------------------------------------- engines
 class LdqaEngine:
-    def __init__(self, name: str, weights: str, group_size: int):
+    """ldqa in one weight format. `spec` is a format name, or "q8_0/modules": q8_0 weights decoded the way
+    ldqa did before the fused decode (issue 30, session 24): every layer through its torch modules and
+    attention through the torch reference (for a side-by-side of the two paths on the same weights)."""
+
+    def __init__(self, name: str, spec: str, group_size: int):
+        weights, _, variant = spec.partition("/")
+        if variant not in ("", "modules") or (variant and weights != "q8_0"):
+            raise ValueError(f"--formats entry {spec!r}: a weight format, or q8_0/modules")
+        self.modules = variant == "modules"
         rss0 = _rss()
         self.lm = load_model(name, weights=weights, group_size=group_size)
-        self.label = f"ldqa {weights}" + (f" g{group_size}" if weights == "int4" else "")
+        self.label = f"ldqa {spec}" + (f" g{group_size}" if weights == "int4" else "")
         self.rss_growth = _rss() - rss0
         self.resident = model_nbytes(self.lm.model)
         self.step_bytes = decode_bytes(self.lm.model)
 
-    @torch.inference_mode()
     def run(self, ids: list[int], new_tokens: int) -> dict:
+        if not self.modules:
+            return self._run(ids, new_tokens)
+        unfuse_decode(self.lm.model)
+        before = os.environ.get("LDQA_KERNELS")
+        os.environ["LDQA_KERNELS"] = "torch"
+        try:
+            return self._run(ids, new_tokens)
+        finally:
+            if before is None:
+                del os.environ["LDQA_KERNELS"]
+            else:
+                os.environ["LDQA_KERNELS"] = before
+            fuse_decode(self.lm.model)
+
+    @torch.inference_mode()
+    def _run(self, ids: list[int], new_tokens: int) -> dict:
         model = self.lm.model
         cache = model.new_cache(capacity=len(ids) + new_tokens + 8)
         t0 = time.perf_counter()
@@ -294,7 +317,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench_runtime", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m", help="a packaged model name or a .gguf file")
     ap.add_argument("--formats", default="fp32,bf16,int8,int4,q8_0",
-                    help="ldqa weight formats, comma-separated; the first is the reference of 'same tokens'")
+                    help="ldqa weight formats, comma-separated (q8_0/modules: q8_0 without the fused decode and "
+                         "the C decode attention); the first is the reference of 'same tokens'")
     ap.add_argument("--group-size", type=int, default=64, help="int4 group size")
     ap.add_argument("--threads", default="1,2", help="torch / llama.cpp thread counts, comma-separated")
     ap.add_argument("--lengths", default="1416,8192", help="prompt lengths in tokens")

@@ -1,4 +1,7 @@
-"""The CPU matmul of the `q8_0` weight format: ldqa's own C kernel (`q8_0.c`) and its torch reference.
+"""ldqa's CPU kernels in C, built at first use into one library: the matmul of the `q8_0` weight format
+(`q8_0.c`: `linear_q8_0`, and a decoder layer's decode halves around attention, `decode_attn_in` /
+`decode_attn_out`) and the attention of one decode token (`decode_attention.c`: `decode_attention`).
+Torch references: `linear_q8_0_reference`, the model's modules, `reference.attention`.
 
 Q8_0 is GGUF's (llama.cpp's) 8-bit layout: int8 values in blocks of 32 input channels, one fp16 scale per
 block, w[n, k] = d[n, k // 32] * q[n, k]. Gemma 3's GGUF stores its token embedding (the tied LM head, 63%
@@ -40,7 +43,7 @@ log = logging.getLogger(__name__)
 QK = 32  # input channels per block (GGUF's QK8_0)
 MAX_K = 65536  # the kernel's stack buffer holds the scales of 2048 blocks
 PROFILER_NAME = "ldqa::linear_q8_0"  # the kernel's name in torch.profiler tables
-_SOURCE = Path(__file__).with_name("q8_0.c")
+_SOURCES = (Path(__file__).with_name("q8_0.c"), Path(__file__).with_name("decode_attention.c"))  # one library
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 _lock = threading.Lock()
 _state: dict = {}
@@ -119,9 +122,9 @@ def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang; or set CC) to build the q8_0 CPU kernel")
-    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]  # (+ "-lm" after the source)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([_SOURCE.read_text(), " ".join(cmd), version,
+    key = hashlib.sha256("\n".join([*(src.read_text() for src in _SOURCES), " ".join(cmd), version,
                                     " ".join(sorted(flags))]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"q8_0-{key}.so"
     if target.exists():
@@ -135,6 +138,13 @@ def _build() -> ctypes.CDLL:
     lib.ldqa_q8_0_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.ldqa_q8_0_linear.restype = ctypes.c_int
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.ldqa_q8_0_attn_in.argtypes = [p, i64, p, f32, p, p, p, i64, i64, i64, p, p, p, p, p, i32]
+    lib.ldqa_q8_0_attn_in.restype = ctypes.c_int
+    lib.ldqa_q8_0_attn_out.argtypes = [p, p, i64, i64, p, p, p, p, p, f32, p, p, i64, i32, p, p, p, i32]
+    lib.ldqa_q8_0_attn_out.restype = ctypes.c_int
+    lib.ldqa_decode_attention.argtypes = [p, p, p, i64, i64, i64, i64, i64, p, f32, p, i32]
+    lib.ldqa_decode_attention.restype = ctypes.c_int
     return lib
 
 
@@ -144,7 +154,7 @@ def _compile(cmd: list[str], target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        res = subprocess.run(cmd + ["-o", str(out), str(_SOURCE)], capture_output=True, text=True)
+        res = subprocess.run(cmd + ["-o", str(out), *map(str, _SOURCES), "-lm"], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"building the q8_0 CPU kernel failed ({' '.join(cmd)}): {res.stderr.strip()[:500]}")
         os.replace(out, target)
@@ -218,3 +228,114 @@ def linear_q8_0(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     if rc:
         raise ValueError(f"linear_q8_0: the kernel rejected K={k}")
     return y
+
+
+# --------------------------------------------------------------------------- fused decode halves of a layer
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
+
+
+def _run(name: str, fn, *args) -> int:
+    """Call a kernel function; under torch.profiler, as a named range (a ctypes call is invisible to it)."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == 2:
+        raise MemoryError(f"{what}: no memory for the kernel's scratch buffers")
+    if rc:
+        raise ValueError(f"{what}: the kernel rejected an input size (K must be a multiple of {QK})")
+
+
+def decode_attn_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, wqkv: torch.Tensor, dqkv: torch.Tensor,
+                   bias: torch.Tensor | None, n_heads: int, n_kv: int, head_dim: int, qnorm_w: torch.Tensor | None,
+                   knorm_w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The part of a decoder layer before attention, for one token, in one C call (`ldqa_q8_0_attn_in`).
+
+    x: (hidden,) float32 contiguous, the layer's input; norm_w: (hidden,) the input RMSNorm's multiplier
+    (1 + w for Gemma, w otherwise; `RMSNorm.multiplier`); wqkv: (H*d + 2*KV*d, hidden) int8 and dqkv its
+    Q8_0 scales (N, hidden/32) float16: q_proj's rows, then k_proj's, then v_proj's; bias: (N,) or None;
+    qnorm_w, knorm_w: (head_dim,) per-head RMSNorm multipliers or None (no q/k norm); cos, sin: (head_dim,)
+    RoPE at the token's position (rotate_half layout, `model.rope_cos_sin`).
+    Returns (N,) float32 = [q | k | v], q and k normalized and rotated. Needs `available()`; raises
+    RuntimeError otherwise, ValueError/MemoryError when the kernel refuses. Reference: the model's own
+    modules (RMSNorm, QLinear, apply_rope), compared in tests/test_cpu_linear.py.
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError(f"the q8_0 CPU kernel is not available: {unavailable_reason()}")
+    n = wqkv.shape[0]
+    out = torch.empty(n, dtype=torch.float32)
+    rc = _run("ldqa::decode_attn_in", lib.ldqa_q8_0_attn_in, x.data_ptr(), x.shape[-1], norm_w.data_ptr(), eps,
+              wqkv.data_ptr(), dqkv.data_ptr(), _ptr(bias), n_heads, n_kv, head_dim, _ptr(qnorm_w), _ptr(knorm_w),
+              cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    _check(rc, "decode_attn_in")
+    return out
+
+
+def decode_attn_out(x: torch.Tensor, attn: torch.Tensor, wo: torch.Tensor, dwo: torch.Tensor,
+                    attn_norm_w: torch.Tensor | None, ff_norm_w: torch.Tensor, ff_out_norm_w: torch.Tensor | None,
+                    eps: float, wgu: torch.Tensor, dgu: torch.Tensor, act: str, wd: torch.Tensor,
+                    dwd: torch.Tensor) -> torch.Tensor:
+    """The part of a decoder layer after attention, for one token, in one C call (`ldqa_q8_0_attn_out`).
+
+    x: (hidden,) float32, the layer's input (the residual stream); attn: (H*d,) float32, the attention
+    output (heads concatenated); wo, dwo: o_proj in Q8_0 (hidden, H*d); wgu, dgu: gate_proj's rows then
+    up_proj's (2*I, hidden); wd, dwd: down_proj (hidden, I); act: "silu" or "gelu_tanh". Norm multipliers
+    (`RMSNorm.multiplier`): Gemma 3 passes attn_norm_w (post-attention), ff_norm_w (pre-feedforward) and
+    ff_out_norm_w (post-feedforward): x + n(o) -> h, h + n(mlp(n(h))); the other families pass
+    ff_norm_w (post_attention_layernorm) only: x + o -> h, h + mlp(n(h)).
+    Returns the layer's output (hidden,) float32. Raises like `decode_attn_in`.
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError(f"the q8_0 CPU kernel is not available: {unavailable_reason()}")
+    hidden = x.shape[-1]
+    out = torch.empty(hidden, dtype=torch.float32)
+    rc = _run("ldqa::decode_attn_out", lib.ldqa_q8_0_attn_out, x.data_ptr(), attn.data_ptr(), hidden, attn.shape[-1],
+              wo.data_ptr(), dwo.data_ptr(), _ptr(attn_norm_w), ff_norm_w.data_ptr(), _ptr(ff_out_norm_w), eps,
+              wgu.data_ptr(), dgu.data_ptr(), wd.shape[1], ACTIVATIONS[act], wd.data_ptr(), dwd.data_ptr(),
+              out.data_ptr(), torch.get_num_threads())
+    _check(rc, "decode_attn_out")
+    return out
+
+
+# --------------------------------------------------------------------------- decode attention
+def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `decode_attention` takes these inputs: one query token of one sequence, fp32 on the CPU,
+    K/V rows contiguous (a slice of the KV cache is), a mask of one row or none, and the kernel built."""
+    b, h, n, d = q.shape
+    return (b == 1 and n == 1 and q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == "cpu"
+            and k.shape[0] == 1 and k.stride(-1) == 1 and k.stride(-2) == d and v.stride() == k.stride()
+            and d % 8 == 0 and h % k.shape[1] == 0 and h // k.shape[1] <= 16
+            and (mask is None or (mask.dtype == torch.bool and mask.numel() == k.shape[2] and mask.is_contiguous()))
+            and available())
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """Exact attention of one decode token over a KV cache in one C call (`decode_attention.c`).
+
+    q: (1, heads, 1, d) float32; k, v: (1, kv_heads, L, d) float32 with contiguous rows (a slice
+    `cache[:, :, lo:hi]` of the cache is taken as is, no copy); mask: (L,) or (1, L) bool, True = may
+    attend, or None; scale multiplies q.k. Query head h reads KV head h // (heads // kv_heads).
+    Returns (1, heads, 1, d) float32; a row with no allowed key is zeros. Same result as
+    `reference.attention` up to fp32 summation order (tests/test_cpu_linear.py). Call only where
+    `decode_attention_fits`; raises ValueError/MemoryError when the kernel refuses.
+    """
+    lib = _lib()
+    _, h, _, d = q.shape
+    kvh, L = k.shape[1], k.shape[2]
+    q = q.contiguous()
+    out = torch.empty(1, h, 1, d, dtype=torch.float32)
+    mptr = None if mask is None else mask.data_ptr()
+    rc = _run("ldqa::decode_attention", lib.ldqa_decode_attention, q.data_ptr(), k.data_ptr(), v.data_ptr(), h, kvh,
+              L, d, k.stride(1), mptr, scale, out.data_ptr(), torch.get_num_threads())
+    _check(rc, "decode_attention")
+    return out

@@ -66,9 +66,17 @@ def attention(
 
     With the Triton backend and no mask this runs the FlashAttention kernel (non-causal); a dense mask
     always goes to torch's scaled_dot_product_attention (use `prefill_attention` for structured masks).
+    One query token of one sequence in fp32 on the CPU (decode) runs ldqa's C kernel
+    (`cpu_linear.decode_attention`) unless LDQA_KERNELS=torch or LDQA_CPU_KERNELS=torch.
     """
     if mask is None and backend_for(q) == "triton":
         return prefill_attention(q, k, v, scale=scale, causal=False)[0]
+    if q.shape[2] == 1 and os.environ.get("LDQA_KERNELS", "").strip().lower() != "torch":
+        # one decode token on the CPU: ldqa's C kernel (reads each K/V row once for the whole GQA group)
+        from ldqa.kernels import cpu_linear
+
+        if cpu_linear.decode_attention_fits(q, k, v, mask):
+            return cpu_linear.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
     return reference.attention(q, k, v, mask=mask, scale=scale)
 
 

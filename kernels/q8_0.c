@@ -17,6 +17,7 @@
  * cpu_linear.linear_q8_0_reference.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -107,4 +108,95 @@ int ldqa_q8_0_linear(const float *x, int64_t M, int64_t K, const int8_t *qw, con
     free(xq);
     free(xd);
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Fused decode halves of one decoder layer (one token, batch 1): everything of a layer but attention
+ * itself, so a decode step makes two calls per layer instead of ~100 small torch ops. Attention stays in
+ * torch (attention/model.py), where the KV cache, masks and the global layers' hooks live.
+ * Norm weights are passed as the multipliers the model uses: (1 + w) for Gemma, w for the others.
+ * Torch references: the model's own modules (RMSNorm, QLinear, apply_rope, MLP); tests compare both.
+ */
+/* out = x / sqrt(mean(x^2) + eps) * w over n values (out may be x); sum of squares in double */
+static void rms_norm(const float *x, int64_t n, const float *w, float eps, float *out) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    const float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] * r) * w[i];
+}
+
+/* RoPE, rotate_half layout: dims i and i + d/2 rotate together; cos, sin (d,) with equal halves */
+static void rope(float *x, int64_t d, const float *cos, const float *sin) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* x (hidden,) -> out = [q (n_heads*d) | k (n_kv*d) | v (n_kv*d)]: RMSNorm, the fused q|k|v projection
+ * (+ bias when given), per-head q/k RMSNorm when given (Qwen3, Gemma 3), RoPE on q and k.
+ * Returns 0, 1 for a bad K, 2 for no memory. */
+int ldqa_q8_0_attn_in(const float *x, int64_t hidden, const float *norm_w, float eps, const int8_t *wqkv,
+                      const uint16_t *dqkv, const float *bias, int64_t n_heads, int64_t n_kv, int64_t d,
+                      const float *qnorm_w, const float *knorm_w, const float *cos, const float *sin,
+                      float *out, int threads) {
+    float *h = malloc(hidden * sizeof(float));
+    if (!h) return 2;
+    rms_norm(x, hidden, norm_w, eps, h);
+    const int64_t n = (n_heads + 2 * n_kv) * d;
+    const int rc = ldqa_q8_0_linear(h, 1, hidden, wqkv, dqkv, n, out, threads);
+    free(h);
+    if (rc) return rc;
+    if (bias)
+        for (int64_t i = 0; i < n; i++) out[i] += bias[i];
+    float *q = out, *k = out + n_heads * d;
+    for (int64_t j = 0; j < n_heads; j++) {
+        if (qnorm_w) rms_norm(q + j * d, d, qnorm_w, eps, q + j * d);
+        rope(q + j * d, d, cos, sin);
+    }
+    for (int64_t j = 0; j < n_kv; j++) {
+        if (knorm_w) rms_norm(k + j * d, d, knorm_w, eps, k + j * d);
+        rope(k + j * d, d, cos, sin);
+    }
+    return 0;
+}
+
+/* the layer after attention: o = attn Wo^T; Gemma (sandwich norms): x += norm(o); h = norm(x);
+ * x += norm(down(act(gate(h)) * up(h))); the others (attn_norm_w, ff_out_norm_w NULL): x += o;
+ * h = norm(x); x += down(act(gate(h)) * up(h)). wgu holds gate's rows then up's. act: 0 SiLU, 1 GELU
+ * (tanh approximation). x_out (hidden,) may not alias x. Returns 0, 1 for a bad K, 2 for no memory. */
+int ldqa_q8_0_attn_out(const float *x, const float *attn, int64_t hidden, int64_t attn_dim, const int8_t *wo,
+                       const uint16_t *dwo, const float *attn_norm_w, const float *ff_norm_w,
+                       const float *ff_out_norm_w, float eps, const int8_t *wgu, const uint16_t *dgu,
+                       int64_t inter, int act, const int8_t *wd, const uint16_t *dwd, float *x_out, int threads) {
+    float *o = malloc(hidden * sizeof(float)), *h = malloc(hidden * sizeof(float));
+    float *gu = malloc(2 * inter * sizeof(float));
+    int rc = 2;
+    if (!o || !h || !gu) goto done;
+    if ((rc = ldqa_q8_0_linear(attn, 1, attn_dim, wo, dwo, hidden, o, threads))) goto done;
+    if (attn_norm_w) rms_norm(o, hidden, attn_norm_w, eps, o);
+    for (int64_t i = 0; i < hidden; i++) x_out[i] = x[i] + o[i];
+    rms_norm(x_out, hidden, ff_norm_w, eps, h);
+    if ((rc = ldqa_q8_0_linear(h, 1, hidden, wgu, dgu, 2 * inter, gu, threads))) goto done;
+    for (int64_t i = 0; i < inter; i++) {
+        const float g = gu[i];
+        float a;
+        if (act == 1) {
+            const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+            a = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+        } else {
+            a = g / (1.0f + expf(-g));
+        }
+        gu[i] = a * gu[inter + i];
+    }
+    if ((rc = ldqa_q8_0_linear(gu, 1, inter, wd, dwd, hidden, o, threads))) goto done;
+    if (ff_out_norm_w) rms_norm(o, hidden, ff_out_norm_w, eps, o);
+    for (int64_t i = 0; i < hidden; i++) x_out[i] += o[i];
+done:
+    free(o);
+    free(h);
+    free(gu);
+    return rc;
 }

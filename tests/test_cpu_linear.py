@@ -140,7 +140,7 @@ def test_no_compiler_falls_back_to_the_reference_with_the_reason(monkeypatch, ca
 def test_failed_build_and_damaged_library(monkeypatch, tmp_path):
     bad = tmp_path / "q8_0.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(C, "_SOURCE", bad)
+    monkeypatch.setattr(C, "_SOURCES", (bad, *C._SOURCES[1:]))
     assert not C.available() and "building the q8_0 CPU kernel failed" in C.unavailable_reason()
     monkeypatch.undo()
     monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "a"))
@@ -156,3 +156,45 @@ def test_failed_build_and_damaged_library(monkeypatch, tmp_path):
     C.reset()
     assert C.available(), C.unavailable_reason()  # rebuilt, not loaded damaged
     assert damaged.stat().st_size == lib.stat().st_size
+
+
+@pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
+@pytest.mark.parametrize("heads,kv_heads,L", [(4, 1, 512), (4, 1, 1416), (8, 2, 7), (2, 2, 1), (16, 1, 300),
+                                              (6, 3, 65)])
+def test_decode_attention_matches_the_reference(heads, kv_heads, L):
+    from ldqa.kernels import dispatch, reference
+
+    g = torch.Generator().manual_seed(L + heads)
+    d = 256 if L > 100 else 64
+    cap = L + 21  # a slice of a larger cache, as the model passes it (rows contiguous, heads strided)
+    kc, vc = torch.randn(1, kv_heads, cap, d, generator=g), torch.randn(1, kv_heads, cap, d, generator=g)
+    k, v = kc[:, :, 5:5 + L], vc[:, :, 5:5 + L]
+    q = torch.randn(1, heads, 1, d, generator=g) * 3
+    some = torch.rand(1, L, generator=g) > 0.4
+    some[0, -1] = True
+    for mask in (None, some, torch.zeros(1, L, dtype=torch.bool)):
+        assert C.decode_attention_fits(q, k, v, mask)
+        want = reference.attention(q, k, v, mask=mask, scale=0.07)
+        got = C.decode_attention(q, k, v, mask, 0.07)
+        assert got.shape == want.shape == (1, heads, 1, d)
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), mask
+        # the model's entry point takes this path
+        assert torch.equal(dispatch.attention(q, k, v, mask=mask, scale=0.07), got)
+    assert torch.equal(C.decode_attention(q, k, v, torch.zeros(1, L, dtype=torch.bool), 0.07), torch.zeros_like(q))
+
+
+def test_decode_attention_declines_what_it_does_not_take():
+    q, k, v = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 9, 32), torch.randn(1, 2, 9, 32)
+    assert C.decode_attention_fits(q, k, v, None) == X86
+    assert not C.decode_attention_fits(q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    assert not C.decode_attention_fits(torch.randn(1, 4, 2, 32), k, v, None)  # two query tokens
+    assert not C.decode_attention_fits(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, None)
+    assert not C.decode_attention_fits(q, k, v, torch.ones(4, 1, 9, dtype=torch.bool))  # a mask per head
+
+
+def test_decode_attention_env_forces_the_reference(monkeypatch):
+    from ldqa.kernels import dispatch, reference
+
+    q, k, v = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 9, 32), torch.randn(1, 2, 9, 32)
+    monkeypatch.setenv("LDQA_KERNELS", "torch")
+    assert torch.equal(dispatch.attention(q, k, v), reference.attention(q, k, v))

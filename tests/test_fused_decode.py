@@ -1,0 +1,119 @@
+"""The q8_0 fused decode (quant.FusedDecode: a decoder layer's decode in two C calls) against the module
+path on the same weights, per family; its weights held once; the fallbacks where the kernel is missing."""
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from ldqa.attention import loader, quant
+from ldqa.attention.quant import model_nbytes
+from ldqa.kernels import cpu_linear
+
+FAMILIES = ("llama", "llama3-scaled", "qwen2", "qwen3", "gemma3")  # as in conftest._hf_config
+pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                                reason="the q8_0 kernel is written for x86-64")
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "fused-decode-cache"))
+    monkeypatch.delenv("LDQA_CPU_KERNELS", raising=False)
+    cpu_linear.reset()
+    loader._LOADED.clear()
+    yield
+    cpu_linear.reset()
+    loader._LOADED.clear()
+
+
+def _decode(model, prompt: torch.Tensor, steps: int):
+    """Greedy decode after `prompt` (1, n): (tokens, logits (steps, vocab)) — every step one token."""
+    cache = model.new_cache()
+    n = prompt.shape[1]
+    logits = model(prompt, torch.arange(n), cache)
+    toks, rows = [], []
+    for i in range(steps):
+        tok = int(logits[0, -1].argmax())
+        toks.append(tok)
+        logits = model(torch.tensor([[tok]]), torch.tensor([n + i]), cache)
+        rows.append(logits[0, -1].clone())
+    return toks, torch.stack(rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_decode_matches_the_modules(tiny_model_dir, family):
+    lm = loader.load_model(str(tiny_model_dir(family)), weights="q8_0")
+    model = lm.model
+    assert all(layer.fused is not None for layer in model.model.layers), "the loader fuses q8_0 layers"
+    prompt = torch.randint(3, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    toks_f, logits_f = _decode(model, prompt, 24)
+    quant.unfuse_decode(model)
+    toks_m, logits_m = _decode(model, prompt, 24)
+    assert quant.fuse_decode(model) == model.cfg.num_layers
+    rel = float((logits_f - logits_m).abs().max() / logits_m.abs().max())
+    # the same formulas in fp32, summed in another order (and the sliding window crossed: gemma3's is 16)
+    assert rel < 1e-4, rel
+    assert toks_f == toks_m
+
+
+def test_fused_weights_are_held_once_and_prefill_uses_them(tiny_model_dir):
+    d = str(tiny_model_dir("qwen2"))  # qwen2: q/k/v biases
+    lm = loader.load_model(d, weights="q8_0")
+    layer = lm.model.model.layers[0]
+    fused, attn = layer.fused, layer.self_attn
+    # the modules' buffers are views of the concatenation: one copy of the weights
+    assert attn.q_proj.qweight.untyped_storage().data_ptr() == fused.wqkv.untyped_storage().data_ptr()
+    assert attn.v_proj.bscales.untyped_storage().data_ptr() == fused.dqkv.untyped_storage().data_ptr()
+    assert layer.mlp.up_proj.qweight.untyped_storage().data_ptr() == fused.wgu.untyped_storage().data_ptr()
+    n_q, n_k = attn.q_proj.out_features, attn.k_proj.out_features
+    assert torch.equal(attn.k_proj.qweight, fused.wqkv[n_q:n_q + n_k])
+    assert torch.equal(fused.bias[n_q:n_q + n_k], attn.k_proj.bias)
+    loader._LOADED.clear()
+    monkey_free = loader.load_model(d, weights="q8_0")
+    quant.unfuse_decode(monkey_free.model)
+    assert model_nbytes(lm.model) == model_nbytes(monkey_free.model)
+
+
+def test_without_the_kernel_nothing_is_fused(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("LDQA_CPU_KERNELS", "torch")
+    cpu_linear.reset()
+    lm = loader.load_model(str(tiny_model_dir("gemma3")), weights="q8_0")
+    assert all(layer.fused is None for layer in lm.model.model.layers)
+    assert quant.fuse_decode(lm.model) == 0
+    toks, logits = _decode(lm.model, torch.tensor([[5, 6, 7, 8]]), 3)  # the module path still decodes
+    assert len(toks) == 3 and torch.isfinite(logits).all()
+    with pytest.raises(RuntimeError, match="not available.*LDQA_CPU_KERNELS=torch"):
+        cpu_linear.decode_attn_in(torch.zeros(64), torch.ones(64), 1e-6, torch.zeros(96, 64, dtype=torch.int8),
+                                  torch.zeros(96, 2, dtype=torch.float16), None, 1, 1, 32, None, None,
+                                  torch.ones(32), torch.zeros(32))
+
+
+def test_other_formats_are_not_fused(tiny_model_dir):
+    lm = loader.load_model(str(tiny_model_dir("llama")), weights="int8")
+    assert all(layer.fused is None for layer in lm.model.model.layers)
+    assert quant.fuse_decode(lm.model) == 0
+
+
+def test_every_attention_mode_answers_the_same_fused_and_not(tmp_path, tiny_model_dir, monkeypatch):
+    # the hooks of the global layers (retrieval attention, debiasing) and block reuse sit in
+    # Attention.attend, which both paths share: the answers are the same text (fused decode + C decode
+    # attention against the modules + torch attention)
+    from ldqa.app.api import LongDocQA
+
+    qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=6,
+                   weights="q8_0")
+    qa.ingest(Path(__file__).resolve().parents[1] / "app" / "sample" / "docs")
+    modes = (("full", "none"), ("block", "none"), ("block+recompute", "none"), ("retrieval", "none"),
+             ("block", "calibrate+reorder"), ("full", "sort"))
+    q = "What torque for the fan hub bolts?"
+    fused = [qa.ask(q, top_k=3, attention=a, debias=b).text for a, b in modes]
+    model = qa.llm.model
+    assert all(layer.fused is not None for layer in model.model.layers)
+    quant.unfuse_decode(model)
+    monkeypatch.setenv("LDQA_KERNELS", "torch")
+    try:
+        plain = [qa.ask(q, top_k=3, attention=a, debias=b).text for a, b in modes]
+    finally:
+        quant.fuse_decode(model)
+    assert fused == plain
