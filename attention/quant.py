@@ -374,21 +374,23 @@ class FusedDecode:
         """x: (1, 1, hidden) float32; cos, sin: (1, head_dim) -> q (1, heads, 1, d), k, v (1, kv_heads, 1, d)."""
         h, kv, d = self.n_heads, self.n_kv, self.d
         out = cpu_linear.decode_attn_in(
-            x.reshape(-1).contiguous(), self.in_norm.multiplier(), self.eps, self.wqkv, self.dqkv, self.bias, h, kv, d,
+            _dense(x), self.in_norm.multiplier(), self.eps, self.wqkv, self.dqkv, self.bias, h, kv, d,
             None if self.q_norm is None else self.q_norm.multiplier(),
-            None if self.k_norm is None else self.k_norm.multiplier(), cos.reshape(-1).contiguous(),
-            sin.reshape(-1).contiguous())
-        return (out[: h * d].view(1, h, 1, d), out[h * d: (h + kv) * d].view(1, kv, 1, d),
-                out[(h + kv) * d:].view(1, kv, 1, d))
+            None if self.k_norm is None else self.k_norm.multiplier(), _dense(cos), _dense(sin))
+        return out.view(1, h + 2 * kv, 1, d).split((h, kv, kv), dim=1)
 
     def attn_out(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x: (1, 1, hidden) the layer's input; attn: (1, heads, 1, d) attention output -> (1, 1, hidden)."""
-        y = cpu_linear.decode_attn_out(
-            x.reshape(-1).contiguous(), attn.reshape(-1).float().contiguous(), self.o_proj.qweight,
-            self.o_proj.bscales, None if self.attn_norm is None else self.attn_norm.multiplier(),
-            self.ff_norm.multiplier(), None if self.ff_out_norm is None else self.ff_out_norm.multiplier(), self.eps,
-            self.wgu, self.dgu, self.act, self.down_proj.qweight, self.down_proj.bscales)
-        return y.view(1, 1, self.hidden)
+        return cpu_linear.decode_attn_out(
+            _dense(x), _dense(attn), self.o_proj.qweight, self.o_proj.bscales,
+            None if self.attn_norm is None else self.attn_norm.multiplier(), self.ff_norm.multiplier(),
+            None if self.ff_out_norm is None else self.ff_out_norm.multiplier(), self.eps, self.wgu, self.dgu, self.act,
+            self.down_proj.qweight, self.down_proj.bscales)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous float32 (itself when it already is: the kernels read its memory in order)."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 def _concat_rows(mods: list) -> tuple[torch.Tensor, torch.Tensor]:

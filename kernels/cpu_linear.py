@@ -258,7 +258,7 @@ def decode_attn_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, wqkv: torc
                    knorm_w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The part of a decoder layer before attention, for one token, in one C call (`ldqa_q8_0_attn_in`).
 
-    x: (hidden,) float32 contiguous, the layer's input; norm_w: (hidden,) the input RMSNorm's multiplier
+    x: (..., hidden) float32 contiguous holding one token, the layer's input; norm_w: (hidden,) the input RMSNorm's multiplier
     (1 + w for Gemma, w otherwise; `RMSNorm.multiplier`); wqkv: (H*d + 2*KV*d, hidden) int8 and dqkv its
     Q8_0 scales (N, hidden/32) float16: q_proj's rows, then k_proj's, then v_proj's; bias: (N,) or None;
     qnorm_w, knorm_w: (head_dim,) per-head RMSNorm multipliers or None (no q/k norm); cos, sin: (head_dim,)
@@ -285,20 +285,20 @@ def decode_attn_out(x: torch.Tensor, attn: torch.Tensor, wo: torch.Tensor, dwo: 
                     dwd: torch.Tensor) -> torch.Tensor:
     """The part of a decoder layer after attention, for one token, in one C call (`ldqa_q8_0_attn_out`).
 
-    x: (hidden,) float32, the layer's input (the residual stream); attn: (H*d,) float32, the attention
-    output (heads concatenated); wo, dwo: o_proj in Q8_0 (hidden, H*d); wgu, dgu: gate_proj's rows then
+    x: (..., hidden) float32 contiguous holding one token, the layer's input (the residual stream); attn:
+    (..., H*d) float32 contiguous, the attention output (heads concatenated); wo, dwo: o_proj in Q8_0 (hidden, H*d); wgu, dgu: gate_proj's rows then
     up_proj's (2*I, hidden); wd, dwd: down_proj (hidden, I); act: "silu" or "gelu_tanh". Norm multipliers
     (`RMSNorm.multiplier`): Gemma 3 passes attn_norm_w (post-attention), ff_norm_w (pre-feedforward) and
     ff_out_norm_w (post-feedforward): x + n(o) -> h, h + n(mlp(n(h))); the other families pass
     ff_norm_w (post_attention_layernorm) only: x + o -> h, h + mlp(n(h)).
-    Returns the layer's output (hidden,) float32. Raises like `decode_attn_in`.
+    Returns the layer's output, x's shape, float32. Raises like `decode_attn_in`.
     """
     lib = _lib()
     if lib is None:
         raise RuntimeError(f"the q8_0 CPU kernel is not available: {unavailable_reason()}")
     hidden = x.shape[-1]
-    out = torch.empty(hidden, dtype=torch.float32)
-    rc = _run("ldqa::decode_attn_out", lib.ldqa_q8_0_attn_out, x.data_ptr(), attn.data_ptr(), hidden, attn.shape[-1],
+    out = torch.empty(x.shape, dtype=torch.float32)
+    rc = _run("ldqa::decode_attn_out", lib.ldqa_q8_0_attn_out, x.data_ptr(), attn.data_ptr(), hidden, attn.numel(),
               wo.data_ptr(), dwo.data_ptr(), _ptr(attn_norm_w), ff_norm_w.data_ptr(), _ptr(ff_out_norm_w), eps,
               wgu.data_ptr(), dgu.data_ptr(), wd.shape[1], ACTIVATIONS[act], wd.data_ptr(), dwd.data_ptr(),
               out.data_ptr(), torch.get_num_threads())
