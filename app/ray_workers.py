@@ -7,10 +7,11 @@ progress bar; a pool of Ray actors (``--workers N``, default one per CPU slot Ra
 ``--threads-per-worker`` torch threads and that many Ray CPUs) does the compute, each loading its models
 once:
 
-- eval: the driver builds the examples, reads ``predictions.sqlite`` and sends only the missing
-  (example, mode) pairs; a worker answers each with `harness.answer_one`, the call the single-process run
-  makes; for the retrieval benchmark the driver retrieves first (milliseconds) and sends the passages
-  (seconds of answering), so no worker needs the collection. The driver writes each row as it arrives.
+- eval (`ldqa.eval.ray_eval`, built on this module): the driver builds the examples, reads
+  ``predictions.sqlite`` and sends only the missing (example, mode) pairs; a worker answers each with
+  `harness.answer_one`, the call the single-process run makes; for the retrieval benchmark the driver
+  retrieves first (milliseconds) and sends the passages (seconds of answering), so no worker needs the
+  collection. The driver writes each row as it arrives.
 - ingest: a worker loads, chunks and embeds one group of 32 files (`retrieval.ingest.prepare_group`, the
   batch the single-process path embeds together, so the vectors are bit-identical); the driver writes
   the groups in order, each file in its own transaction (`write_group`), as without Ray.
@@ -30,10 +31,11 @@ the driver (which alone writes SQLite, in order for ingest), and a dead worker's
 others. Ray Data would add its streaming executor and pyarrow/pandas blocks for a few thousand files of
 seconds each, and a second mechanism to test.
 
-Results: identical to the single-process run (greedy decoding; a test compares rows and stores), except
-that an ingest with two files of the same bytes in *different* groups of 32 embeds the second copy
-with its group (it is still reported skipped and not stored): its group's other vectors may then differ
-in the last bit from a run without Ray (MiniLM's batch padding).
+Results: identical to the single-process run (greedy decoding; a test compares rows, stores and KV
+blocks). A worker cannot know that a file repeats one of an earlier group of the same ingest (stored
+while it worked), so it embeds that copy with its group; the driver then drops it and embeds the rest of
+that group again itself, in the batch a run without Ray makes (MiniLM pads a batch to its longest text,
+so batch composition moves vectors in the last bit).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 import uuid
 from collections import deque
 from pathlib import Path
@@ -158,6 +159,12 @@ class ActorPool:
             idle.append(actor)
             yield i, result
 
+    def close(self) -> None:
+        """Kill every actor of the pool (their processes end; a Ray started by `connected` stays up)."""
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor)
+
     def map(self, call, items):
         """Like `map_unordered`, but yields the results in the order of `items` (finished ones wait)."""
         done, nxt = {}, 0
@@ -193,71 +200,13 @@ def reachable(probe_path: str) -> bool:
     return Path(probe_path).is_file()
 
 
-def _set_threads(threads: int, seed: int | None = None) -> None:
+def set_threads(threads: int, seed: int | None = None) -> None:
+    """A worker's torch threads (also those of ldqa's q8_0 kernel) and, if given, its torch seed."""
     import torch
 
     torch.set_num_threads(threads)
     if seed is not None:
         torch.manual_seed(seed)
-
-
-# ------------------------------------------------------------------------------------------ eval
-
-class EvalWorker:
-    """A Ray actor of ``ldqa eval --ray``: one `LongDocQA` (the LLM loaded once) answering examples with
-    `harness.answer_one`. store: the driver's store directory, used for its KV blocks when `probe` is
-    reachable, else a temporary one of this worker's."""
-
-    def __init__(self, cfg, store: str, probe_path: str, max_new: int, threads: int):
-        from ldqa.app.api import LongDocQA
-
-        _set_threads(threads, cfg.seed)
-        if not reachable(probe_path):
-            store = tempfile.mkdtemp(prefix="ldqa-ray-store-")
-            log.warning("ldqa eval --ray: the store is not visible on this node; KV blocks go to %s", store)
-        self.cfg, self.max_new, self.hf = cfg, max_new, None
-        self.qa = LongDocQA(store=store, model=cfg.model, max_new_tokens=max_new, weights=cfg.weights)
-        self.qa.llm  # noqa: B018  (load now, not in the first answer)
-
-    def answer(self, ex: dict, mode) -> dict:
-        """The result row of `ex` in `mode` (`harness.answer_one`)."""
-        from ldqa.eval.harness import HFReference, answer_one
-
-        if mode.attention == "hf" and self.hf is None:
-            self.hf = HFReference(self.qa.llm)
-        return answer_one(self.qa, self.hf, self.cfg, ex, mode, self.max_new)
-
-
-def eval_rows(cfg, qa, todo: list, max_new: int, info: dict):
-    """Yields (example, mode, row) for each (example, mode) of `todo`, answered on a Ray pool (`cfg.ray`,
-    `cfg.workers`, `cfg.threads_per_worker`) as the workers finish; the caller (`harness.run`) writes
-    them. For the retrieval benchmark the passages are retrieved here, on the driver. Fills `info` with
-    {"workers", "threads_per_worker", "workers_lost"}. Raises RuntimeError without Ray."""
-    from dataclasses import replace
-
-    from ldqa.eval.harness import retrieve_for
-
-    with connected(cfg.ray) as ray, probe(qa.store.path) as probe_path:
-        model = cfg.model if cfg.model is None or not Path(cfg.model).exists() else str(Path(cfg.model).resolve())
-        worker_cfg = replace(cfg, model=model)
-        pool = start_pool(ray, EvalWorker, (worker_cfg, str(qa.store.path.resolve()), probe_path, max_new,
-                                            cfg.threads_per_worker), cfg.workers, cfg.threads_per_worker)
-
-        def call(actor, item):
-            ex, m = item
-            if cfg.benchmark == "retrieval":
-                ex = retrieve_for(qa, cfg, ex, m)
-            return actor.answer.remote(ex, m)
-
-        info.update(workers=len(pool.actors), threads_per_worker=cfg.threads_per_worker, workers_lost=0)
-        try:
-            for i, row in pool.map_unordered(call, todo):
-                yield todo[i][0], todo[i][1], row
-        finally:
-            info["workers_lost"] = pool.lost
-            for a in pool.actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(a)
 
 
 # ------------------------------------------------------------------------------------------ ingest
@@ -270,17 +219,18 @@ class IngestWorker:
         from ldqa.attention.loader import load_tokenizer
         from ldqa.retrieval.embedders import Embedder
 
-        _set_threads(threads)
+        set_threads(threads)
         self.embedder, self.chunk_config = Embedder(), chunk_config
         self.count = load_tokenizer(model_name).count
 
-    def prepare(self, paths: list, stored_shas) -> tuple:
+    def prepare(self, paths: list, on_driver: list, stored_shas) -> tuple:
         """`prepare_group` of `paths` (files whose sha256 is in `stored_shas` are not chunked). Raises
-        FileNotFoundError when a path is not visible on this node (the files must be on a filesystem
-        every worker reaches), rather than reporting the files as unreadable."""
+        FileNotFoundError when a path the driver sees (`on_driver`, one bool per path) is not visible on
+        this node (the files must be on a filesystem every worker reaches), rather than reporting the
+        files as unreadable; a path missing on the driver too is that file's error result, as without Ray."""
         from ldqa.retrieval.ingest import prepare_group
 
-        missing = [str(p) for p in paths if not Path(p).exists()]
+        missing = [str(p) for p, there in zip(paths, on_driver) if there and not Path(p).exists()]
         if missing:
             raise FileNotFoundError(f"ldqa ingest --ray: {missing[0]} (and {len(missing) - 1} more) not found on "
                                     f"Ray node {os.uname().nodename}; the files must be at the same path on "
@@ -292,17 +242,46 @@ def prepare_on_ray(ray, qa, workers: int | None, threads: int):
     """The `prepare_groups` argument of `retrieval.ingest.ingest_files` for `qa`'s collection: groups ->
     their `prepare_group` results, computed by a pool of `IngestWorker`s, yielded in order. Files whose
     bytes the store holds when the ingest starts are not chunked or embedded by the workers."""
+    from ldqa.retrieval.ingest import PreparedFile
+
+    def as_given(group, result):  # the workers saw absolute paths; reports name the files as the caller did
+        for p, x in zip(group, result[0]):
+            if isinstance(x, PreparedFile):
+                x.given = str(Path(p))
+            else:
+                x.path = str(Path(p))
+        return result
+
+    def batch_as_here(result):
+        """`result` with the embedding batch this process would have made now that the earlier groups
+        are stored: a file whose bytes an earlier group of this ingest stored leaves the batch (it is
+        reported skipped), and then the rest is embedded again here, in one batch, so its vectors are
+        bit-identical to a run without Ray (MiniLM pads a batch to its longest text). Rare: the same
+        bytes twice in one ingest, in different groups of 32."""
+        prepared = [x for x in result[0] if isinstance(x, PreparedFile) and x.chunks is not None]
+        late = [x for x in prepared if qa.store.get_document_by_sha(x.doc.sha256) is not None]
+        if late:
+            for x in late:
+                x.chunks = x.vectors = None
+            todo = [x for x in prepared if x.chunks is not None]
+            vectors, row = qa.embedder.encode([c.full_text for x in todo for c in x.chunks]), 0
+            for x in todo:
+                x.vectors, row = vectors[row:row + len(x.chunks)], row + len(x.chunks)
+        return result
 
     def prepare_groups(groups):
         shas = ray.put(frozenset(d["sha256"] for d in qa.store.documents()))
         pool = start_pool(ray, IngestWorker, (qa.model_name, qa.chunk_config, threads), workers, threads)
+
+        def call(actor, group):
+            paths = [str(Path(p).resolve()) for p in group]
+            return actor.prepare.remote(paths, [Path(p).exists() for p in group], shas)
+
         try:
-            yield from pool.map(lambda actor, g: actor.prepare.remote([str(Path(p).resolve()) for p in g], shas),
-                                groups)
+            for group, result in zip(groups, pool.map(call, groups)):
+                yield batch_as_here(as_given(group, result))  # lazily: the groups before are stored now
         finally:
-            for a in pool.actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(a)
+            pool.close()
 
     return prepare_groups
 
@@ -318,7 +297,7 @@ class KVWorker:
             raise RuntimeError(f"--precompute-kv --ray: the store {store} is not visible on Ray node "
                                f"{os.uname().nodename}; put it on a filesystem every worker reaches, or "
                                "precompute without --ray")
-        _set_threads(threads)
+        set_threads(threads)
         self.qa = LongDocQA(store=store, model=model_name, weights=weights, kv_dtype=kv_dtype)
 
     def encode(self, rows: list[dict]) -> int:
@@ -344,7 +323,5 @@ def precompute_on_ray(ray, qa, rows: list[dict], workers: int | None, threads: i
                 if on_rows is not None:
                     on_rows(len(batches[i]))
         finally:
-            for a in pool.actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(a)
+            pool.close()
     return computed

@@ -58,7 +58,7 @@ greedy: a run is deterministic for a seed (timings aside).
 On Ray
 ------
 ``--ray [ADDRESS]`` answers the missing rows on a pool of Ray actors (``--workers N``,
-``--threads-per-worker T``; `ldqa.app.ray_workers`), each loading the model once and calling `answer_one`
+``--threads-per-worker T``; `ldqa.eval.ray_eval`), each loading the model once and calling `answer_one`
 as this process would; examples, retrieval and ``predictions.sqlite`` stay here, so a run with or without
 Ray gives the same rows and either resumes the other.
 """
@@ -115,7 +115,7 @@ class EvalConfig:
         API still leaves out the last passages that do not fit the model's window).
     ray : None (answer in this process), "local" (a new local Ray instance) or a Ray address ("auto",
         "ray://host:10001"): the missing answers are computed by a pool of Ray actors
-        (`ldqa.app.ray_workers`), the same rows as without Ray; this process retrieves (retrieval
+        (`ldqa.eval.ray_eval`), the same rows as without Ray; this process retrieves (retrieval
         benchmark) and writes the cache. Needs the ``ray`` extra.
     workers : Ray actors (None: one per CPU slot Ray reports, divided by threads_per_worker).
     threads_per_worker : torch threads (and Ray CPUs) of each actor.
@@ -793,8 +793,8 @@ def _answers_here(qa, cfg: EvalConfig, todo: list, max_new: int):
 
 def _answers_on_ray(cfg: EvalConfig, qa, todo: list, max_new: int, info: dict):
     """(example, mode, row) for each of `todo`, answered by Ray workers as they finish
-    (`ldqa.app.ray_workers.eval_rows`; fills `info`)."""
-    from ldqa.app.ray_workers import eval_rows
+    (`ldqa.eval.ray_eval.eval_rows`; fills `info`)."""
+    from ldqa.eval.ray_eval import eval_rows
 
     yield from eval_rows(cfg, qa, todo, max_new, info)
 

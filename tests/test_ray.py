@@ -1,6 +1,7 @@
-"""ldqa's batch paths on Ray (issue 33, `ldqa.app.ray_workers`): the same eval rows and the same store with
-2 local Ray workers as without Ray, a killed worker's examples re-queued (nothing lost or written twice),
-and the message without Ray. Tiny random-weight Gemma 3 (conftest) and a local Ray instance of 2 CPUs."""
+"""ldqa's batch paths on Ray (issue 33, `ldqa.app.ray_workers`, `ldqa.eval.ray_eval`): the same eval rows
+and the same store with 2 local Ray workers as without Ray, a killed worker's examples re-queued (nothing
+lost or written twice), and the message without Ray. Tiny random-weight Gemma 3 (conftest) and a local Ray
+instance of 2 CPUs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from ldqa.app import ray_workers
 from ldqa.app.cli import main
-from ldqa.eval import harness
+from ldqa.eval import harness, ray_eval
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed (pip install 'ldqa[ray]')")
@@ -148,7 +149,7 @@ def test_retrieval_benchmark_retrieves_on_the_driver(ray_local, tiny_model_dir, 
 @needs_ray
 def test_a_killed_worker_has_its_examples_requeued(ray_local, tiny_model_dir, nq_small, nq_baseline, tmp_path,
                                                    monkeypatch):
-    class DyingWorker(ray_workers.EvalWorker):  # pickled by value: the first worker to answer dies mid-answer
+    class DyingWorker(ray_eval.EvalWorker):  # pickled by value: the first worker to answer dies mid-answer
         marker = str(tmp_path / "died")
 
         def answer(self, ex, mode):
@@ -158,7 +159,7 @@ def test_a_killed_worker_has_its_examples_requeued(ray_local, tiny_model_dir, nq
                 return super().answer(ex, mode)
             os._exit(1)  # the process ends without answering: Ray reports the actor dead
 
-    monkeypatch.setattr(ray_workers, "EvalWorker", DyingWorker)
+    monkeypatch.setattr(ray_eval, "EvalWorker", DyingWorker)
     puts = []
     real_put = harness.PredictionCache.put
     monkeypatch.setattr(harness.PredictionCache, "put",
@@ -189,14 +190,15 @@ def test_when_every_worker_dies_the_pool_says_so(ray_local):
 # ------------------------------------------------------------------------------------------ ingest
 
 def _corpus(folder: Path, shared_data: Path) -> list[Path]:
-    """40 Markdown files from NQ passages (two groups of 32 files), an in-group duplicate and a file that
-    does not load."""
+    """40 Markdown files from NQ passages, a duplicate in the same group of 32 and one in the next group,
+    and a file that does not load."""
     folder.mkdir()
     with gzip.open(shared_data / "nq-open-oracle.jsonl.gz", "rt") as f:
         recs = [json.loads(line)["ctxs"][0] for _, line in zip(range(40), f)]
     for i, r in enumerate(recs):
         (folder / f"{i:03d}.md").write_text(f"# {r['title']}\n\n{r['text']}\n" * (1 + i % 3))
     (folder / "005-copy.md").write_bytes((folder / "005.md").read_bytes())
+    (folder / "zz-copy-of-001.md").write_bytes((folder / "001.md").read_bytes())  # a copy in the second group
     (folder / "empty.txt").write_text("   \n")
     return sorted(folder.iterdir())
 
@@ -225,13 +227,15 @@ def _kv_blocks(qa) -> dict:
 
 
 @needs_ray
-def test_ingest_on_ray_writes_the_same_store(ray_local, tiny_model_dir, shared_data, tmp_path, one_thread):
+def test_ingest_on_ray_writes_the_same_store(ray_local, tiny_model_dir, shared_data, tmp_path, one_thread,
+                                             monkeypatch):
     import numpy as np
     import torch
 
     from ldqa.app.api import LongDocQA
 
-    files = _corpus(tmp_path / "docs", shared_data)
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them; one of them missing
+    files = [p.relative_to(tmp_path) for p in _corpus(tmp_path / "docs", shared_data)] + [Path("docs/gone.md")]
     model = str(tiny_model_dir("gemma3"))
     reports, contents, blocks = [], [], []
     for name, ray in (("plain", None), ("ray", "local")):
@@ -246,7 +250,8 @@ def test_ingest_on_ray_writes_the_same_store(ray_local, tiny_model_dir, shared_d
         assert kv["blocks"] == qa.store.n_chunks() and kv["computed"] >= len(blocks[-1])
     assert reports[0] == reports[1]
     statuses = [s for _, s, *_ in reports[0]]
-    assert statuses.count("skipped") == 2 and statuses.count("error") == 1 and statuses.count("added") == 39
+    assert statuses.count("skipped") == 3 and statuses.count("error") == 2 and statuses.count("added") == 39
+    assert reports[0][-1][0] == "docs/gone.md"  # reported as given
     assert contents[0][:2] == contents[1][:2] and len(contents[0][1]) > 64
     assert np.array_equal(contents[0][2], contents[1][2])  # the same embedding batches: bit-identical vectors
     assert blocks[0].keys() == blocks[1].keys() and 64 < len(blocks[0]) <= len(contents[0][1])
@@ -258,4 +263,4 @@ def test_ingest_on_ray_writes_the_same_store(ray_local, tiny_model_dir, shared_d
 def test_ingest_on_ray_needs_the_files_on_every_worker(ray_local, tmp_path):
     worker = ray_workers.IngestWorker.__new__(ray_workers.IngestWorker)  # its check, without loading models
     with pytest.raises(FileNotFoundError, match="must be at the same path on every worker"):
-        worker.prepare([str(tmp_path / "gone.md")], frozenset())
+        worker.prepare([str(tmp_path / "gone.md")], [True], frozenset())
