@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import uuid
 from collections import deque
 from pathlib import Path
@@ -77,8 +78,10 @@ def check_options(ray: str | None, workers: int | None, threads_per_worker: int)
     """Checks the Ray options before anything is loaded. Raises ValueError naming --ray, --workers or
     --threads-per-worker when out of range or given without --ray; RuntimeError naming the extra when
     --ray is given and Ray is not installed."""
-    if ray is not None and (not isinstance(ray, str) or not ray.strip()):
-        raise ValueError(f"--ray must be 'local' or a Ray address ('auto', 'ray://host:10001'), got {ray!r}")
+    if ray is not None and (not isinstance(ray, str) or not re.fullmatch(r"local|auto|\w+://\S+|[\w.\-]+:\d+", ray)):
+        raise ValueError(f"--ray must be 'local' or a Ray address ('auto', 'ray://host:10001', 'host:6379'), got "
+                         f"{ray!r}; --ray takes the next word as its address, so put it after the paths or the "
+                         "benchmark, or write --ray local")
     if workers is not None and (isinstance(workers, bool) or workers < 1):
         raise ValueError(f"--workers must be >= 1, got {workers!r}")
     if isinstance(threads_per_worker, bool) or threads_per_worker < 1:

@@ -106,6 +106,7 @@ def test_without_ray_the_message_names_the_extra(monkeypatch, tmp_path, capsys):
     (dict(ray="local", threads_per_worker=0), "--threads-per-worker must be >= 1"),
     (dict(workers=2), "need --ray"),
     (dict(ray=" "), "--ray must be"),
+    (dict(ray="docs/"), "put it after the paths"),  # `ldqa ingest --ray docs/` took the path as the address
 ])
 def test_bad_ray_options_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
