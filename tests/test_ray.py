@@ -265,3 +265,21 @@ def test_ingest_on_ray_needs_the_files_on_every_worker(ray_local, tmp_path):
     worker = ray_workers.IngestWorker.__new__(ray_workers.IngestWorker)  # its check, without loading models
     with pytest.raises(FileNotFoundError, match="must be at the same path on every worker"):
         worker.prepare([str(tmp_path / "gone.md")], [True], frozenset())
+
+
+def test_a_worker_that_cannot_see_the_store_keeps_its_kv_blocks_in_its_own(tiny_model_dir, nq_small, tmp_path):
+    """Where the driver's store is not visible (another machine without a shared filesystem), an eval worker
+    answers from a temporary store of its own; a precompute worker refuses, naming the fix."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        with ray_workers.probe(tmp_path) as probe_path:  # what the driver writes; a worker elsewhere misses it
+            assert ray_workers.reachable(probe_path)
+        cfg = _cfg("nq-multidoc", nq_small, tmp_path / "out", tiny_model_dir("gemma3"))
+        worker = ray_eval.EvalWorker(cfg, str(tmp_path / "store"), probe_path, 4, 1)
+        assert worker.qa.store.path.name.startswith("ldqa-ray-store-") and not (tmp_path / "store").exists()
+        with pytest.raises(RuntimeError, match="not visible on Ray node .* filesystem every worker reaches"):
+            ray_workers.KVWorker(str(tmp_path / "store"), probe_path, str(tiny_model_dir("gemma3")), "fp32", "fp32", 1)
+    finally:
+        torch.set_num_threads(threads)
