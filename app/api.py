@@ -200,31 +200,64 @@ class LongDocQA:
         self._engine = None
 
     # ----------------------------------------------------------------- ingestion
-    def ingest(self, paths: str | Path | Iterable[str | Path], progress: bool = False) -> IngestReport:
+    def ingest(self, paths: str | Path | Iterable[str | Path], progress: bool = False, ray: str | None = None,
+               workers: int | None = None, threads_per_worker: int = 1) -> IngestReport:
         """Load, chunk, embed and store files (directories are walked recursively): `ingest_files` under
-        this collection's ingest lock (see there for statuses and errors). Raises ValueError if `paths`
-        is empty; never for a bad file (its result says why)."""
-        with self._ingest_lock:
-            return ingest_files(self.store, self.embedder, lambda text: self.tokenizer.count(text), self.chunk_config,
-                                paths, progress)
+        this collection's ingest lock (see there for statuses and errors).
 
-    def precompute_kv(self, doc_ids: Iterable[int] | None = None, progress: bool = False) -> dict:
+        ray: None (all in this process), "local" (a new local Ray instance) or a Ray address ("auto",
+        "ray://host:10001"): loading, chunking and embedding run on `workers` Ray actors of
+        `threads_per_worker` threads each (`ldqa.app.ray_workers`; the files must be at the same path on
+        every worker), this process writes each file as without Ray, with the same chunks and vectors.
+        Raises ValueError if `paths` is empty or a Ray option is out of range; RuntimeError when Ray is
+        asked for but not installed; never for a bad file (its result says why)."""
+        from ldqa.app import ray_workers
+
+        ray_workers.check_options(ray, workers, threads_per_worker)
+        count = lambda text: self.tokenizer.count(text)  # noqa: E731
+        with self._ingest_lock:
+            if ray is None:
+                return ingest_files(self.store, self.embedder, count, self.chunk_config, paths, progress)
+            with ray_workers.connected(ray) as r:
+                return ingest_files(self.store, self.embedder, count, self.chunk_config, paths, progress,
+                                    prepare_groups=ray_workers.prepare_on_ray(r, self, workers, threads_per_worker))
+
+    def precompute_kv(self, doc_ids: Iterable[int] | None = None, progress: bool = False, ray: str | None = None,
+                      workers: int | None = None, threads_per_worker: int = 1) -> dict:
         """Encode and store the KV block of every chunk of `doc_ids` (default: all) for the current model,
         so the first question over them already hits the store. Returns {"blocks", "computed", "ms"}.
+        ray, workers, threads_per_worker: as in `ingest`; the workers write the blocks to this store's
+        ``kv/`` directory themselves, so it must be on a filesystem every worker reaches (RuntimeError
+        otherwise).
         """
+        from ldqa.app import ray_workers
+
+        ray_workers.check_options(ray, workers, threads_per_worker)
         t0 = time.perf_counter()
-        ids = self.store.chunk_ids(doc_ids)
-        rows = self.store.get_chunks(ids)
+        rows = self.store.get_chunks(self.store.chunk_ids(doc_ids))
+        bar = progress_bar(rows, progress, "kv blocks")
+        try:
+            if ray is None:
+                computed = self.encode_rows(rows, on_block=bar.update if bar is not None else None).kv_misses
+            else:
+                self.llm  # noqa: B018  (a converted weight cache is written once, here, before the workers read it)
+                with ray_workers.connected(ray) as r:
+                    computed = ray_workers.precompute_on_ray(r, self, rows, workers, threads_per_worker,
+                                                             bar.update if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        return {"blocks": len(rows), "computed": computed, "ms": _ms(t0)}
+
+    def encode_rows(self, rows: list[dict], on_block=None):
+        """Make sure the KV block of each chunk row (`Store.get_chunks`: id, title, text, page, header) is
+        in the KV block store, encoding the missing ones; on_block(1) after each. Returns the
+        `PrefillStats` (kv_hits, kv_misses = blocks computed, encode_ms)."""
         rt, tok = self.block_runtime, self.llm.tokenizer
         segs = [build_prompt(tok, [Passage(r["title"], r["text"], r["page"], r["id"], header=r["header"])], "?")
                 for r in rows]
-        bar = progress_bar(rows, progress, "kv blocks")
         with self._generate_lock:
-            stats = rt.encode([(s.prefix, s.passages[0], r["id"]) for s, r in zip(segs, rows)],
-                              on_block=bar.update if bar is not None else None)
-        if bar is not None:
-            bar.close()
-        return {"blocks": len(rows), "computed": stats.kv_misses, "ms": _ms(t0)}
+            return rt.encode([(s.prefix, s.passages[0], r["id"]) for s, r in zip(segs, rows)], on_block=on_block)
 
     def delete(self, doc_id: int) -> int:
         """Delete a document with its chunks and vectors; returns how many chunks went."""

@@ -1,6 +1,6 @@
 """`ldqa` command line: ingest, ask, demo.
 
-    ldqa ingest PATH... [--store DIR] [--chunk-tokens N]
+    ldqa ingest PATH... [--store DIR] [--chunk-tokens N] [--ray [ADDRESS] --workers N]
     ldqa ask "question" [--store DIR] [--top-k K] [--retriever hybrid|dense|bm25] [--model M] [--json]
     ldqa demo [--store DIR]     # ingest the bundled sample, answer its questions
     ldqa eval BENCHMARK --data PATH --modes full,block,hf [--limit N] [--seed S] [--out DIR]  # see ldqa.eval.harness
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the IngestReport as JSON")
     p.add_argument("--precompute-kv", action="store_true",
                    help="also encode and store every new chunk's KV block (faster first questions in block modes)")
+    from ldqa.app.ray_workers import add_arguments as add_ray_arguments
+
+    add_ray_arguments(p)
 
     for name, help_ in (("ask", "answer a question from the collection"),
                         ("demo", "ingest the bundled sample and answer its questions")):
@@ -150,13 +153,20 @@ def _qa(args, **kw):
 
 
 def cmd_ingest(args) -> int:
+    import contextlib
+
+    from ldqa.app import ray_workers
+
+    ray_workers.check_options(args.ray, args.workers, args.threads_per_worker)
     qa = _qa(args, chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens, index=args.index)
-    report = qa.ingest(args.paths, progress=not args.json)
-    if args.precompute_kv:
-        new_docs = [f.doc_id for f in report.files if f.status in ("added", "replaced")]
-        kv = qa.precompute_kv(new_docs, progress=not args.json)
-        if not args.json:
-            print(f"KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
+    on_ray = dict(ray=args.ray, workers=args.workers, threads_per_worker=args.threads_per_worker)
+    with ray_workers.connected(args.ray) if args.ray else contextlib.nullcontext():  # one Ray session for both
+        report = qa.ingest(args.paths, progress=not args.json, **on_ray)
+        if args.precompute_kv:
+            new_docs = [f.doc_id for f in report.files if f.status in ("added", "replaced")]
+            kv = qa.precompute_kv(new_docs, progress=not args.json, **on_ray)
+            if not args.json:
+                print(f"KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

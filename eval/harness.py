@@ -54,6 +54,13 @@ id): a rerun, e.g. after an interruption or with a larger ``--limit``, answers o
 kv-retrieval), ``niah_heatmap.png`` (niah), ``ttft_vs_length.png`` (all). Examples are a seeded sample
 (the first ``--limit`` of a seeded permutation, so a larger limit extends a smaller one); decoding is
 greedy: a run is deterministic for a seed (timings aside).
+
+On Ray
+------
+``--ray [ADDRESS]`` answers the missing rows on a pool of Ray actors (``--workers N``,
+``--threads-per-worker T``; `ldqa.eval.ray_eval`), each loading the model once and calling `answer_one`
+as this process would; examples, retrieval and ``predictions.sqlite`` stay here, so a run with or without
+Ray gives the same rows and either resumes the other.
 """
 
 from __future__ import annotations
@@ -106,6 +113,12 @@ class EvalConfig:
         first and last halves kept) until the built prompt plus the answer budget is at most this many
         tokens; the row logs ``context_tokens_cut`` and its final ``prompt_tokens``. None = no cut (the
         API still leaves out the last passages that do not fit the model's window).
+    ray : None (answer in this process), "local" (a new local Ray instance) or a Ray address ("auto",
+        "ray://host:10001"): the missing answers are computed by a pool of Ray actors
+        (`ldqa.eval.ray_eval`), the same rows as without Ray; this process retrieves (retrieval
+        benchmark) and writes the cache. Needs the ``ray`` extra.
+    workers : Ray actors (None: one per CPU slot Ray reports, divided by threads_per_worker).
+    threads_per_worker : torch threads (and Ray CPUs) of each actor.
     """
 
     benchmark: str
@@ -130,6 +143,9 @@ class EvalConfig:
     recompute_ratio: float | None = None
     progress: bool = True
     max_length: int | None = None
+    ray: str | None = None
+    workers: int | None = None
+    threads_per_worker: int = 1
 
 
 @dataclass(frozen=True)
@@ -252,6 +268,9 @@ def _validate(cfg: EvalConfig) -> list[Mode]:
         raise ValueError(f"--depths {cfg.depths}: percentages must be in 0..100")
     _ints(cfg.lengths, "--lengths")
     gold_positions(cfg.gold_positions, cfg.n_passages)
+    from ldqa.app.ray_workers import check_options
+
+    check_options(cfg.ray, cfg.workers, cfg.threads_per_worker)
     return parse_modes(cfg.modes, cfg.debias, cfg.retriever, cfg.benchmark)
 
 
@@ -561,6 +580,17 @@ class HFReference:
         return text_of(new)[0].strip(), timings
 
 
+def retrieve_for(qa, cfg: EvalConfig, ex: dict, mode: Mode) -> dict:
+    """The retrieval benchmark's example `ex` with its passages retrieved for `mode`: a copy with
+    "passages" (the top ``cfg.top_k``) and "retrieved" (`rank_metrics` of the top 10 and retrieval_ms).
+    `answer_one` calls it, unless the example was retrieved already (by the Ray driver)."""
+    t0 = time.perf_counter()
+    hits = qa.retrieve(ex["question"], top_k=max(10, cfg.top_k), retriever=mode.retriever)
+    row = rank_metrics([h.doc_id for h in hits], ex["gold_doc"])
+    row["retrieval_ms"] = (time.perf_counter() - t0) * 1000
+    return ex | {"passages": hits[: cfg.top_k], "retrieved": row}
+
+
 def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> dict:
     """Answer example `ex` in `mode` through the public API; the result row (prediction, score, timings).
 
@@ -570,13 +600,9 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
     from ldqa.app.prompt import PromptTooLongError
     from ldqa.attention.generate import NonFiniteLogitsError
 
-    passages, row, error = ex["passages"], {}, ex.get("skip_reason")
-    if cfg.benchmark == "retrieval":
-        t0 = time.perf_counter()
-        hits = qa.retrieve(ex["question"], top_k=max(10, cfg.top_k), retriever=mode.retriever)
-        row = rank_metrics([h.doc_id for h in hits], ex["gold_doc"])
-        row["retrieval_ms"] = (time.perf_counter() - t0) * 1000
-        passages = hits[: cfg.top_k]
+    if cfg.benchmark == "retrieval" and "retrieved" not in ex:
+        ex = retrieve_for(qa, cfg, ex, mode)
+    passages, row, error = ex["passages"], ex.get("retrieved", {}), ex.get("skip_reason")
     used = mode.attention
     prompt = {"instruction": ex.get("instruction"), "answer_prefix": ex.get("answer_prefix", "")}
     with PeakMemory() as mem:
@@ -594,7 +620,7 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
             except (NonFiniteLogitsError, PromptTooLongError) as e:  # an error row, not a wrong answer
                 text, t, error = "", {}, f"{type(e).__name__}: {e}"
     meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers", "instruction",
-                                                     "answer_prefix", "skip_reason")}
+                                                     "answer_prefix", "skip_reason", "retrieved")}
     return {"mode": mode.label, "example_id": ex["id"], **meta, "question": ex["question"],
             "answers": ex["answers"], "prediction": text,
             "score": None if error else score(cfg.benchmark, text, ex["answers"]),
@@ -716,15 +742,16 @@ def run(cfg: EvalConfig) -> dict:
     n_cached = len(rows)
     if n_cached:
         print(f"ldqa eval: {n_cached} answers from the cache in {out / 'predictions.sqlite'}", file=sys.stderr)
-    hf = HFReference(qa.llm) if any(m.attention == "hf" for _, m in todo) else None
+    ray_info: dict = {}
+    answered = _answers_here(qa, cfg, todo, max_new) if cfg.ray is None or not todo else \
+        _answers_on_ray(cfg, qa, todo, max_new, ray_info)
     from tqdm import tqdm
 
-    bar = tqdm(total=len(todo), desc=f"eval {cfg.benchmark}", unit="answer", file=sys.stderr,
-               disable=not cfg.progress)
+    bar = tqdm(total=len(todo), desc=f"eval {cfg.benchmark}" + (" on Ray" if cfg.ray else ""), unit="answer",
+               file=sys.stderr, disable=not cfg.progress)
     errors: list[dict] = []  # rows whose answer failed (see answer_one): recorded, left out of the accuracy
     try:
-        for ex, m in todo:
-            row = answer_one(qa, hf, cfg, ex, m, max_new)
+        for ex, m, row in answered:
             if row.get("error"):  # not cached: a rerun (other weights, a fixed model) answers it again
                 errors.append(row)
                 if len(errors) == 1:
@@ -738,6 +765,7 @@ def run(cfg: EvalConfig) -> dict:
               file=sys.stderr)
         raise
     finally:
+        answered.close()  # a Ray pool stops here
         bar.close()
         cache.close()
     ordered = [rows[(ex["id"], m)] for ex in examples for m in modes]
@@ -747,11 +775,28 @@ def run(cfg: EvalConfig) -> dict:
               "modes": [summarize([r for r in scored if r["mode"] == m.label], cfg.benchmark)
                         | {"mode": m.label, "errors": sum(r["mode"] == m.label for r in errors)} for m in modes],
               "computed": len(todo), "cached": n_cached, "errors": len(errors), "rows": ordered}
+    if ray_info:
+        result["ray"] = ray_info
     if errors:
         print(f"ldqa eval: {len(errors)} of {len(todo)} answers failed (the first error is above); they are "
               f"in results.json/results.csv with their 'error', not scored and not cached", file=sys.stderr)
     write_outputs(result, out)
     return result
+
+
+def _answers_here(qa, cfg: EvalConfig, todo: list, max_new: int):
+    """(example, mode, row) for each of `todo`, answered in this process, in order."""
+    hf = HFReference(qa.llm) if any(m.attention == "hf" for _, m in todo) else None
+    for ex, m in todo:
+        yield ex, m, answer_one(qa, hf, cfg, ex, m, max_new)
+
+
+def _answers_on_ray(cfg: EvalConfig, qa, todo: list, max_new: int, info: dict):
+    """(example, mode, row) for each of `todo`, answered by Ray workers as they finish
+    (`ldqa.eval.ray_eval.eval_rows`; fills `info`)."""
+    from ldqa.eval.ray_eval import eval_rows
+
+    yield from eval_rows(cfg, qa, todo, max_new, info)
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -916,6 +961,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="jsonl: cut each context's middle (LongBench) so prompt + answer budget fit this many tokens")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    from ldqa.app.ray_workers import add_arguments as add_ray_arguments
+
+    add_ray_arguments(p)
 
 
 def config_from_args(args) -> EvalConfig:

@@ -22,6 +22,8 @@ from typing import Iterable
 
 log = logging.getLogger(__name__)
 
+GROUP_FILES = 32  # files loaded, chunked and embedded (one batch) together
+
 
 @dataclass
 class FileResult:
@@ -69,7 +71,7 @@ class IngestReport:
 
 
 def ingest_files(store, embedder, count_tokens, chunk_config, paths: str | Path | Iterable[str | Path],
-                 progress: bool = False) -> IngestReport:
+                 progress: bool = False, prepare_groups=None) -> IngestReport:
     """Load, chunk, embed and store files (directories are walked recursively) into `store`.
 
     embedder: `ldqa.retrieval.embedders.Embedder` (or anything with `encode(texts)` -> (n, dim)
@@ -80,6 +82,9 @@ def ingest_files(store, embedder, count_tokens, chunk_config, paths: str | Path 
     image-only PDF, binary, unreadable) gets an "error" result with the reason, logged to stderr; the
     other files go on; the store is unchanged for it. Raises nothing for bad files; raises ValueError if
     `paths` is empty. The caller serializes ingestion (`LongDocQA` holds a lock).
+    prepare_groups: None (this process loads, chunks and embeds each group of files just before it is
+    written), or groups -> an iterator of `prepare_group` results in the groups' order, computed
+    elsewhere (`ldqa.app.ray_workers.prepare_on_ray`); the writes are the same either way.
     """
     from ldqa.retrieval.loaders import iter_paths
 
@@ -92,9 +97,15 @@ def ingest_files(store, embedder, count_tokens, chunk_config, paths: str | Path 
     report = IngestReport()
     files = iter_paths(paths)
     bar = progress_bar(files, progress, "ingest")
+    groups = list(_groups(list(files), GROUP_FILES))
+    if prepare_groups is None:  # lazily: a group is prepared after the ones before it are stored
+        stored = lambda sha: store.get_document_by_sha(sha) is not None  # noqa: E731
+        prepared = (prepare_group(stored, embedder, count_tokens, chunk_config, g) for g in groups)
+    else:
+        prepared = prepare_groups(groups)
     try:
-        for group in _groups(list(files), 32):
-            report.files += _ingest_group(store, embedder, count_tokens, chunk_config, group)
+        for group, (items, twins) in zip(groups, prepared):
+            report.files += write_group(store, embedder, items, twins)
             if bar is not None:
                 bar.update(len(group))
     finally:
@@ -110,75 +121,110 @@ def ingest_files(store, embedder, count_tokens, chunk_config, paths: str | Path 
     return report
 
 
-def _ingest_group(store, embedder, count_tokens, chunk_config, paths: list[Path]) -> list[FileResult]:
-    """Load and chunk each file, embed the group's chunks in one batch, store each file in its own
-    transaction. A failure in any step is that file's error result only."""
-    prepared, first_of, twins = [], {}, []  # twins: (FileResult, sha) of in-batch duplicates
-    given = {}  # absolute path -> the path as the caller gave it (reports use the latter)
-    own_ms = {}  # absolute path -> ms spent loading and chunking that file
+@dataclass
+class PreparedFile:
+    """A loaded file on its way to the store (the output of `prepare_group`, the input of `write_group`).
+
+    given: the path as the caller gave it; doc: its `loaders.Document`; chunks: its chunks, or None when
+    its bytes were already stored when it was loaded (not chunked: `write_group` reports it skipped);
+    vectors: float32 (len(chunks), dim) from the group's batch, or None (embedded when written: the
+    batch failed); ms: loading, chunking and its share of the batch's embedding, by chunk count.
+    """
+
+    given: str
+    doc: object
+    chunks: list | None
+    vectors: object = None
+    ms: float = 0.0
+
+
+def prepare_group(stored, embedder, count_tokens, chunk_config, paths: list[Path]):
+    """The compute half of ingesting one group of files: load and chunk each file, embed the group's
+    chunks in one batch (file by file later if the batch fails). Touches no store, so it can run on
+    another machine (`ldqa.app.ray_workers`).
+
+    stored: sha256 hex -> whether a document with those bytes is stored (such a file is not chunked).
+    Returns (items, twins): items in `paths` order, each a `PreparedFile` or the `FileResult` of a file
+    that failed to load or chunk; twins: (FileResult, sha) of files whose bytes an earlier file of the
+    group has (reported skipped). Raises nothing for bad files.
+    """
+    items, first_of, twins = [], {}, []
     for p in paths:
         t0 = time.perf_counter()
-        x = _prepare(store, count_tokens, chunk_config, Path(p))
-        if not isinstance(x, FileResult):
-            given[x[0].path] = str(p)
-            own_ms[x[0].path] = _ms(t0)
-            sha = x[0].sha256
+        x = _prepare(stored, count_tokens, chunk_config, Path(p))
+        if isinstance(x, PreparedFile) and x.chunks is not None:
+            sha = x.doc.sha256
             if sha in first_of:  # same bytes twice in one batch: the first one is stored
-                x = FileResult(str(p), "skipped", len(x[2]), None, f"same content as {first_of[sha]}",
-                               _ms(t0))
+                x = FileResult(str(p), "skipped", len(x.chunks), None, f"same content as {first_of[sha]}", _ms(t0))
                 twins.append((x, sha))
             else:
-                first_of[sha] = x[0].path
-        prepared.append(x)
-    todo = [x for x in prepared if not isinstance(x, FileResult)]
-    texts = [c.full_text for _, _, chunks in todo for c in chunks]
+                first_of[sha] = x.doc.path
+        items.append(x)
+    todo = [x for x in items if isinstance(x, PreparedFile) and x.chunks is not None]
+    texts = [c.full_text for x in todo for c in x.chunks]
     t0 = time.perf_counter()
     try:
         vectors = embedder.encode(texts) if texts else None
     except Exception as e:  # embedding the batch failed: fall back to one file at a time
         log.warning("batch embedding failed (%s); embedding file by file", e)
         vectors = None
-    embed_ms_per_chunk = _ms(t0) / max(1, len(texts)) if vectors is not None else 0.0
-    out, row = [], 0
-    for x in prepared:
+    per_chunk = _ms(t0) / max(1, len(texts)) if vectors is not None else 0.0
+    row = 0
+    for x in todo:
+        x.ms += per_chunk * len(x.chunks)
+        if vectors is not None:
+            x.vectors = vectors[row:row + len(x.chunks)]
+        row += len(x.chunks)
+    return items, twins
+
+
+def write_group(store, embedder, items: list, twins: list) -> list[FileResult]:
+    """The write half: store each `PreparedFile` of `prepare_group`'s result in its own transaction (its
+    bytes stored by now -> "skipped"; its path stored -> "replaced"; a failure is that file's error
+    result only); `FileResult` items pass through; twins get the doc_id of the copy that was stored."""
+    out = []
+    for x in items:
         if isinstance(x, FileResult):
             out.append(x)
             continue
-        doc, old, chunks = x
-        t0, before = time.perf_counter(), own_ms[doc.path] + embed_ms_per_chunk * len(chunks)
+        doc, t0 = x.doc, time.perf_counter()
         try:
-            vec = vectors[row:row + len(chunks)] if vectors is not None else \
-                embedder.encode([c.full_text for c in chunks])
-            doc_id = store.add_document(doc, chunks, vec)
-            out.append(FileResult(given[doc.path], "replaced" if old else "added", len(chunks), doc_id, "",
-                                  before + _ms(t0), list(doc.meta.get("warnings", []))))
+            same = store.get_document_by_sha(doc.sha256)
+            if same is not None:
+                out.append(FileResult(x.given, "skipped", same.get("n_chunks", 0), same["id"],
+                                      f"same content as stored document {same['path']}", x.ms + _ms(t0)))
+                continue
+            old = store.get_document_by_path(doc.path)
+            vec = x.vectors if x.vectors is not None else embedder.encode([c.full_text for c in x.chunks])
+            doc_id = store.add_document(doc, x.chunks, vec)
+            out.append(FileResult(x.given, "replaced" if old else "added", len(x.chunks), doc_id, "",
+                                  x.ms + _ms(t0), list(doc.meta.get("warnings", []))))
         except Exception as e:  # one bad file never stops the rest
             log.exception("ingest failed for %s", doc.path)
-            out.append(FileResult(given[doc.path], "error", reason=f"{type(e).__name__}: {e}",
-                                  ms=before + _ms(t0)))
-        row += len(chunks)
-    stored = {r.path: r.doc_id for r in out if r.status in ("added", "replaced")}
+            out.append(FileResult(x.given, "error", reason=f"{type(e).__name__}: {e}", ms=x.ms + _ms(t0)))
+    stored = {x.doc.path: r.doc_id for x, r in zip(items, out)
+              if isinstance(x, PreparedFile) and r.status in ("added", "replaced")}
     for r, sha in twins:  # in-batch duplicates point at the stored copy
-        r.doc_id = stored.get(given[first_of[sha]])
+        first = next(x.doc.path for x in items if isinstance(x, PreparedFile) and x.doc.sha256 == sha)
+        r.doc_id = stored.get(first)
     return out
 
-def _prepare(store, count_tokens, chunk_config, path: Path):
-    """(Document, old stored row or None, chunks) for a file to store, or its FileResult when it is
-    skipped (same content stored) or fails to load."""
+
+def _prepare(stored, count_tokens, chunk_config, path: Path):
+    """A `PreparedFile` (chunks None when `stored(sha)`: its bytes are stored already), or the file's
+    FileResult when it fails to load or chunk."""
     from ldqa.retrieval.chunking import chunk_document
     from ldqa.retrieval.loaders import LoadError, load_document
 
     t0 = time.perf_counter()
     try:
         doc = load_document(path)
-        same = store.get_document_by_sha(doc.sha256)
-        if same is not None:
-            return FileResult(str(path), "skipped", same.get("n_chunks", 0), same["id"],
-                              f"same content as stored document {same['path']}", _ms(t0))
+        if stored(doc.sha256):
+            return PreparedFile(str(path), doc, None, ms=_ms(t0))
         chunks = chunk_document(doc, count_tokens, chunk_config)
         if not chunks:
             raise LoadError(path, "no text to index after chunking")
-        return doc, store.get_document_by_path(doc.path), chunks
+        return PreparedFile(str(path), doc, chunks, ms=_ms(t0))
     except LoadError as e:
         return FileResult(str(path), "error", reason=getattr(e, "reason", str(e)), ms=_ms(t0))
     except Exception as e:  # one bad file never stops the rest

@@ -317,6 +317,47 @@ def test_concurrent_put_get(tmp_path):
         assert stats.bytes_in_memory <= 3 * nbytes
 
 
+_WRITER = """
+import sys, time, torch
+from pathlib import Path
+from ldqa.indexes.kv_store import KVBlock, KVBlockStore, block_key
+d, t = Path(sys.argv[1]), int(sys.argv[2])
+s = KVBlockStore(d, memory_budget_bytes=0)  # every get reads the file
+(d.parent / f"ready{t}").touch()
+while not (d.parent / "go").exists():
+    time.sleep(0.01)
+for i in range(10 * t, 10 * t + 20):  # 10 keys shared with each neighbour, the same bytes (seeded by the key)
+    g = torch.Generator().manual_seed(i)
+    b = KVBlock(torch.randn(3, 2, 6, 8, generator=g), torch.randn(3, 2, 6, 8, generator=g), 0)
+    s.put(block_key("fake-model", [], [i]), b, chunk_id=i)
+    got = s.get(block_key("fake-model", [], [i]))
+    assert got is not None and torch.equal(got.keys, b.keys.half()), i
+s.close()
+"""
+
+
+def test_concurrent_writer_processes(tmp_path):
+    """Three processes (as `ldqa ingest --precompute-kv --ray` workers) writing one directory at once, some
+    keys by two of them: every block reads back verified, in the writers and in a store opened after."""
+    d = tmp_path / "kv"
+    KVBlockStore(d).close()
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(d), str(t)], stderr=subprocess.PIPE, text=True)
+             for t in range(3)]
+    while not all((tmp_path / f"ready{t}").exists() for t in range(3)):
+        assert all(p.poll() is None for p in procs), [p.communicate()[1] for p in procs]
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0], [p.stderr.read() for p in procs]
+    with KVBlockStore(d) as s:
+        for i in range(40):
+            want = make_block(n=6, seed=i)
+            got = s.get(key(i))
+            assert torch.equal(got.keys, want.keys.half()) and torch.equal(got.values, want.values.half())
+        stats = s.stats
+        assert stats.entries_on_disk == 40 and stats.corrupt == 0 and stats.misses == 0
+    assert len(files(d)) == 40 and not list(d.glob(".tmp-*"))
+
+
 def test_leftover_temp_and_orphan_files_on_open(tmp_path):
     d = tmp_path / "kv"
     with KVBlockStore(d) as s:
