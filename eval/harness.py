@@ -198,8 +198,8 @@ def parse_modes(modes: str, debias: str = "none", retriever: str | None = "hybri
 
     Raises
     ------
-    ValueError naming --modes, --debias or --retriever for an unknown value, or a debias method given
-    with the retrieval/hf modes.
+    ValueError naming --modes, --debias or --retriever for an unknown value, a debias method given
+    with the retrieval/hf modes, or hf with a retriever on jsonl.
     """
     debiases = _csv(debias, "--debias")
     retrievers = _csv(retriever, "--retriever") if retriever is not None else [None]
@@ -226,6 +226,10 @@ def parse_modes(modes: str, debias: str = "none", retriever: str | None = "hybri
                     raise ValueError(f"--retriever: unknown retriever {r!r}; choose from {', '.join(RETRIEVERS)}")
                 keep = r if benchmark in RETRIEVER_BENCHMARKS else None
                 m = Mode(att, d, keep, collection=benchmark == "jsonl" and keep is not None)
+                if m.collection and att == "hf":
+                    raise ValueError("--modes hf: the transformers reference answers over given passages, not "
+                                     "over a collection; with --retriever on jsonl use ldqa's attention modes "
+                                     "(full, block, ...)")
                 if m not in out:
                     out.append(m)
     return out
@@ -274,11 +278,7 @@ def _validate(cfg: EvalConfig) -> list[Mode]:
         raise ValueError(f"--depths {cfg.depths}: percentages must be in 0..100")
     _ints(cfg.lengths, "--lengths")
     gold_positions(cfg.gold_positions, cfg.n_passages)
-    modes = parse_modes(cfg.modes, cfg.debias, cfg.retriever, cfg.benchmark)
-    if any(m.attention == "hf" and m.collection for m in modes):
-        raise ValueError("--modes hf: the transformers reference answers over given passages, not over a "
-                         "collection; with --retriever on jsonl use ldqa's attention modes (full, block, ...)")
-    return modes
+    return parse_modes(cfg.modes, cfg.debias, cfg.retriever, cfg.benchmark)
 
 
 # ------------------------------------------------------------------------------------------ examples
@@ -384,9 +384,9 @@ def _niah(cfg: EvalConfig, qa) -> list[dict]:
 def _jsonl(cfg: EvalConfig, qa) -> list[dict]:
     """The jsonl benchmark's examples. For modes without a retriever (the whole-context path) a
     ``context`` is split into passages of --passage-tokens (cut in its middle to fit --max-length when
-    given); for modes with one (`answer_from_collection`) the example also carries the ``context`` text,
-    indexed per record. Raises ValueError naming the record when it lacks a question or answers, or, with a
-    retriever, a ``context`` string."""
+    given); for modes with one (`answer_from_collection`) the context is written to its collection
+    directory (`write_context`) and the example carries its ``context_sha256``. Raises ValueError naming
+    the record when it lacks a question or answers, or, with a retriever, a ``context`` string."""
     modes = parse_modes(cfg.modes, cfg.debias, cfg.retriever, cfg.benchmark)
     whole, collections = any(not m.collection for m in modes), any(m.collection for m in modes)
     rows = _read_jsonl(Path(cfg.data))
@@ -423,7 +423,7 @@ def _jsonl(cfg: EvalConfig, qa) -> list[dict]:
                     **({"length": r["length"]} if "length" in r else {}),
                     **({"context_tokens_cut": cut} if cfg.max_length is not None and whole else {}),
                     **({"skip_reason": skip} if skip else {}),
-                    **({"context": r["context"]} if collections else {})})
+                    **({"context_sha256": write_context(qa, r["context"])} if collections else {})})
     return out
 
 
@@ -605,11 +605,12 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
     A model whose logits turn NaN/inf (`NonFiniteLogitsError`), or a question that does not fit the
     model's window (`PromptTooLongError`), gives an error row: "error" holds the message, "score" and the timings are None (`run` leaves it out of the accuracy and does not cache
     it), never an empty prediction scored as a wrong answer. Other errors propagate."""
+    if mode.collection:  # jsonl with a retriever: the record's context as its own collection
+        return answer_from_collection(qa, cfg, ex, mode, max_new)
+
     from ldqa.app.prompt import PromptTooLongError
     from ldqa.attention.generate import NonFiniteLogitsError
 
-    if mode.collection:  # jsonl with a retriever: the record's context as its own collection
-        return answer_from_collection(qa, cfg, ex, mode, max_new)
     passages, row, error = ex["passages"], {}, ex.get("skip_reason")
     if cfg.benchmark == "retrieval":
         t0 = time.perf_counter()
@@ -634,7 +635,7 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
             except (NonFiniteLogitsError, PromptTooLongError) as e:  # an error row, not a wrong answer
                 text, t, error = "", {}, f"{type(e).__name__}: {e}"
     meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers", "instruction",
-                                                     "answer_prefix", "skip_reason", "context")}
+                                                     "answer_prefix", "skip_reason")}
     return {"mode": mode.label, "example_id": ex["id"], **meta, "question": ex["question"],
             "answers": ex["answers"], "prediction": text,
             "score": None if error else score(cfg.benchmark, text, ex["answers"]),
@@ -669,30 +670,46 @@ def collection_settings() -> dict:
             "embedder": DEFAULT_MODEL, "abstain_below": ABSTAIN_BELOW, "format": COLLECTION_FORMAT}
 
 
-def collection_dir(root: Path, context: str, model: str) -> Path:
-    """The cached collection of `context` under `root`: ``<sha256(context)[:16]>-<h>``, h a hash of
-    `collection_settings()` and the tokenizer's model name `model` (chunk sizes are counted in its tokens),
-    so another chunking, embedder or tokenizer gets its own directory and a rerun finds the same one."""
-    sha = hashlib.sha256(context.encode("utf-8")).hexdigest()
+def collection_dir(root: Path, context_sha256: str, model: str) -> Path:
+    """The cached collection of the context whose sha256 (hex) is `context_sha256`, under `root`:
+    ``<sha[:16]>-<h>``, h a hash of `collection_settings()` and the tokenizer's model name `model` (chunk
+    sizes are counted in its tokens), so another chunking, embedder or tokenizer gets its own directory
+    and a rerun finds the same one."""
     h = hashlib.sha256(json.dumps([collection_settings(), model], sort_keys=True).encode()).hexdigest()
-    return Path(root) / f"{sha[:16]}-{h[:8]}"
+    return Path(root) / f"{context_sha256[:16]}-{h[:8]}"
 
 
-def open_collection(qa, context: str, max_new: int) -> tuple:
-    """(LongDocQA over the collection of `context`, build info): the context is written to
-    ``Context.txt`` in its `collection_dir` under ``<qa's store>/../collections`` and ingested with
-    ldqa's own chunker, embedder and store (same model, weights and KV dtype as `qa`, whose loaded
-    models it shares). Info: index_ms (the ingest call's wall time, ms), index_cached (True when the
-    collection was already built: nothing was embedded), collection_chunks. Raises ContextIndexError (a
-    ValueError) when the context cannot be ingested (with the ingest result's reason)."""
-    from ldqa.app.api import LongDocQA
+def _context_file(qa, context_sha256: str) -> Path:
+    """Where `write_context` puts a context: ``Context.txt`` (the passages' title, as in the
+    whole-context path) in its `collection_dir` under ``<qa's store>/../collections``."""
+    return collection_dir(qa.store.path.parent / "collections", context_sha256, qa.model_name) / "doc" / "Context.txt"
 
-    st = collection_settings()
-    root = collection_dir(qa.store.path.parent / "collections", context, qa.model_name)
-    doc = root / "doc" / "Context.txt"  # the file name is the passages' title, as in the whole-context path
+
+def write_context(qa, context: str) -> str:
+    """Write `context` to its collection's ``Context.txt`` (`_context_file`) unless it is there already;
+    returns its sha256 (hex), which the example carries instead of the text."""
+    sha = hashlib.sha256(context.encode("utf-8")).hexdigest()
+    doc = _context_file(qa, sha)
     doc.parent.mkdir(parents=True, exist_ok=True)
     if not doc.exists() or doc.read_text(encoding="utf-8") != context:
         doc.write_text(context, encoding="utf-8")
+    return sha
+
+
+def open_collection(qa, context_sha256: str, max_new: int) -> tuple:
+    """(LongDocQA over the collection of a context `write_context` wrote, build info): its
+    ``Context.txt`` is ingested with ldqa's own chunker, embedder and store (same model, weights and KV
+    dtype as `qa`, whose loaded models it shares); a collection built before skips it (nothing embedded).
+    Info: index_ms (the ingest call's wall time, ms), index_cached (True when the collection was already
+    built), collection_chunks. Raises ContextIndexError (a ValueError) when the context file is missing or
+    cannot be ingested (with the ingest result's reason)."""
+    from ldqa.app.api import LongDocQA
+
+    st = collection_settings()
+    doc = _context_file(qa, context_sha256)
+    if not doc.is_file():
+        raise ContextIndexError(f"{doc}: the record's context was not written (the jsonl builder writes it)")
+    root = doc.parent.parent
     item = LongDocQA(store=root / "store", model=qa.model_name, weights=qa.weights, kv_dtype=qa.kv_dtype,
                      max_new_tokens=max_new, chunk_tokens=st["chunk_tokens"], overlap_tokens=st["overlap_tokens"])
     report = item.ingest([doc])
@@ -740,7 +757,7 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
     item = None
     with PeakMemory() as mem:
         try:
-            item, row = open_collection(qa, ex["context"], max_new)
+            item, row = open_collection(qa, ex["context_sha256"], max_new)
             item.kv_store.clear()  # cold: no block of this collection stored (another mode or run may have)
             item.warm_up()
             if mode.attention.startswith("block"):
@@ -763,8 +780,7 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
                 item.kv_store.close()
     ttft = None if row.get("abstained") else t.get("ttft_ms")
     meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers", "instruction",
-                                                     "answer_prefix", "skip_reason", "context",
-                                                     "context_tokens_cut")}
+                                                     "answer_prefix", "skip_reason", "context_tokens_cut")}
     return {"mode": mode.label, "example_id": ex["id"], **meta, "question": ex["question"],
             "answers": ex["answers"], "prediction": text,
             "score": None if error else score(cfg.benchmark, text, ex["answers"]),

@@ -5,6 +5,7 @@ measure, the cache keys, resuming and the errors)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -82,9 +83,10 @@ def test_modes_and_cache_keys(data):
     assert settings_hash(cfg, "fp", 8) != settings_hash(EvalConfig("jsonl", str(data), retriever="hybrid", top_k=3),
                                                         "fp", 8)
     # the collection directory: keyed by the context's hash and the settings; same context -> same dir
-    d1 = harness.collection_dir(Path("/c"), "some text", "m")
-    assert d1 == harness.collection_dir(Path("/c"), "some text", "m") != harness.collection_dir(Path("/c"), "other", "m")
-    assert d1 != harness.collection_dir(Path("/c"), "some text", "another-tokenizer")
+    d1 = harness.collection_dir(Path("/c"), "ab" * 32, "m")
+    assert d1 == harness.collection_dir(Path("/c"), "ab" * 32, "m") != harness.collection_dir(Path("/c"), "cd" * 32, "m")
+    assert d1 != harness.collection_dir(Path("/c"), "ab" * 32, "another-tokenizer")
+    assert d1.name.startswith("ab" * 8 + "-")
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -115,6 +117,7 @@ def test_jsonl_over_per_record_collections(tmp_path, tiny_model_dir, data):
     for (ex, mode), r in rows.items():
         rec = next(x for x in RECORDS if x["_id"] == ex)
         other = next(x for x in RECORDS if x["_id"] != ex)
+        assert r["context_sha256"] == hashlib.sha256(rec["context"].encode()).hexdigest()
         assert r["collection_chunks"] > 2 and r["n_passages"] == 2  # top-k honoured (more chunks exist)
         for a, b in _spans(r):  # each chunk is a piece of the record's own context, not the other one's
             piece = rec["context"][a:b]
@@ -170,5 +173,5 @@ def test_resume_after_interruption(tmp_path, tiny_model_dir, data, monkeypatch):
     calls.clear()
     res = _run(data, out, model, "--retriever", "bm25", "--top-k", "2")
     assert res["cached"] == 1 and res["computed"] == 1 and len(calls) == 2  # cold + warm ask of the second
-    order = [ex["id"] for ex in harness._jsonl(EvalConfig("jsonl", str(data), limit=2, retriever="bm25"), None)]
+    order = [RECORDS[i]["_id"] for i in harness._sample(2, EvalConfig("jsonl", str(data), limit=2))]
     assert [r["example_id"] for r in res["rows"]] == order
