@@ -34,7 +34,14 @@ retrieval
 jsonl
     Any JSON-lines file of ``{context | passages, question | input, answers}`` records, LongBench's format
     included (``context, input, answers, all_classes, length, _id``); a ``context`` string is split into
-    passages of ``--passage-tokens`` tokens. Metric: token F1, as LongBench's ``qa_f1_score``
+    passages of ``--passage-tokens`` tokens (the whole context, cut in its middle to fit ``--max-length``
+    when given). With ``--retriever`` (or a mode item ``full@hybrid``) each record's ``context`` is
+    instead ingested as its own collection (ldqa's chunker, embedder and store; cached in
+    ``DIR/collections/`` by the context's sha256 and the chunking/embedder settings) and the question
+    answered over the top ``--top-k`` chunks by `LongDocQA.ask`, as ``ldqa ask`` would; rows add the
+    retrieval time, cold and warm TTFT and whether the retrieved chunks hold a gold answer
+    (`answer_from_collection`). ``python -m ldqa.eval.pg_essays`` builds such a file from questions of
+    our own over Paul Graham's essays. Metric: token F1, as LongBench's ``qa_f1_score``
     (THUDM/LongBench, ``metrics.py``: SQuAD normalization, then token-level F1, max over the answers).
 
 Modes
@@ -43,7 +50,8 @@ Modes
 and ``hf``; an item may carry its own debias and retriever as ``ATTENTION[/DEBIAS][@RETRIEVER]``.
 Items without them are crossed with ``--debias`` and ``--retriever`` (comma-separated). Debiasing only
 applies to full/block/block+recompute (``retrieval`` and ``hf`` run with ``none``); the retriever axis
-only to the ``retrieval`` benchmark.
+only to the ``retrieval`` benchmark (default hybrid) and ``jsonl`` (default: none, the whole context;
+not with ``hf``).
 
 Outputs in ``--out DIR``
 ------------------------
@@ -90,6 +98,9 @@ METRIC = {"nq-multidoc": "best-subspan EM", "kv-retrieval": "value exact match (
           "niah": "needle found (best-subspan EM)", "retrieval": "best-subspan EM",
           "jsonl": "token F1 (LongBench qa_f1_score)"}
 RANK_KS = (1, 5, 10)
+RETRIEVER_BENCHMARKS = ("retrieval", "jsonl")  # where a mode's retriever means something (`parse_modes`)
+# summary columns of jsonl modes answered over per-record collections (`answer_from_collection`)
+JSONL_COLLECTION_COLUMNS = ["gold_in_retrieved", "retrieval_ms", "ttft_cold_ms", "ttft_warm_ms", "abstained"]
 
 
 @dataclass
@@ -101,7 +112,9 @@ class EvalConfig:
     benchmark : one of `BENCHMARKS`.
     data : the data file (directory of .txt files for niah).
     out : output directory (results, plots, the prediction cache).
-    modes, debias, retriever : comma-separated mode items, crossed (see `parse_modes`).
+    modes, debias, retriever : comma-separated mode items, crossed (see `parse_modes`). retriever None
+        (not given): "hybrid" for the retrieval benchmark; for jsonl the whole-context path (a retriever
+        there answers each record over its own collection, see `answer_from_collection`).
     limit : number of questions (nq-multidoc, kv-retrieval, retrieval, jsonl; each at every position or
         depth) or of (length, depth) cells (niah); None = all.
     seed : seeds the example sample, the distractors and torch.
@@ -109,6 +122,7 @@ class EvalConfig:
     weights : the LLM's weight format (`LongDocQA`'s default when None); part of the model fingerprint,
         so each format's answers are cached apart.
     max_new_tokens : answer cap; None = the benchmark's default (`DEFAULT_MAX_NEW`).
+    top_k : retrieval, and jsonl with a retriever: passages retrieved and answered over.
     max_length : jsonl: a record's ``context`` is cut in its middle (LongBench's truncation, pred.py: the
         first and last halves kept) until the built prompt plus the answer budget is at most this many
         tokens; the row logs ``context_tokens_cut`` and its final ``prompt_tokens``. None = no cut (the
@@ -126,7 +140,7 @@ class EvalConfig:
     out: str | None = None
     modes: str = "full"
     debias: str = "none"
-    retriever: str = "hybrid"
+    retriever: str | None = None
     limit: int | None = None
     seed: int = 0
     model: str | None = None
@@ -151,11 +165,13 @@ class EvalConfig:
 @dataclass(frozen=True)
 class Mode:
     """One evaluated configuration: `attention` (an ldqa attention mode or "hf"), `debias`, `retriever`
-    (None outside the retrieval benchmark)."""
+    (None outside the retrieval and jsonl benchmarks, and for jsonl's whole-context path); `collection`:
+    each example is answered over its own collection (jsonl with a retriever, `answer_from_collection`)."""
 
     attention: str
     debias: str = "none"
     retriever: str | None = None
+    collection: bool = False
 
     @property
     def label(self) -> str:
@@ -185,21 +201,24 @@ def _ints(value: str, name: str) -> list[int]:
         raise ValueError(f"{name}={value!r}: expected comma-separated integers") from e
 
 
-def parse_modes(modes: str, debias: str = "none", retriever: str = "hybrid", benchmark: str = "") -> list[Mode]:
+def parse_modes(modes: str, debias: str = "none", retriever: str | None = "hybrid",
+                benchmark: str = "") -> list[Mode]:
     """The cross product of mode items x debias methods x retrievers, duplicates removed, in order.
 
     Parameters
     ----------
     modes : comma-separated items ``ATTENTION[/DEBIAS][@RETRIEVER]``, ATTENTION in `ENGINES`.
-    debias, retriever : comma-separated defaults for items that do not name their own.
-    benchmark : the retriever axis only exists for "retrieval".
+    debias, retriever : comma-separated defaults for items that do not name their own; retriever None
+        (not given): "hybrid" for the retrieval benchmark, none for jsonl (the whole context).
+    benchmark : the retriever axis only exists for "retrieval" and "jsonl" (`RETRIEVER_BENCHMARKS`).
 
     Raises
     ------
-    ValueError naming --modes, --debias or --retriever for an unknown value, or a debias method given
-    with the retrieval/hf modes.
+    ValueError naming --modes, --debias or --retriever for an unknown value, a debias method given
+    with the retrieval/hf modes, or hf with a retriever on jsonl.
     """
-    debiases, retrievers = _csv(debias, "--debias"), _csv(retriever, "--retriever")
+    debiases = _csv(debias, "--debias")
+    retrievers = _csv(retriever, "--retriever") if retriever is not None else [None]
     out: list[Mode] = []
     for item in _csv(modes, "--modes"):
         rest, _, own_r = item.partition("@")
@@ -217,9 +236,16 @@ def parse_modes(modes: str, debias: str = "none", retriever: str = "hybrid", ben
                                      + (" (buckets needs full attention)" if d == "buckets" else ""))
                 d = "none"  # the debias axis collapses for modes it does not apply to
             for r in rs:
-                if r not in RETRIEVERS:
+                if r is None and benchmark == "retrieval":
+                    r = "hybrid"
+                if r is not None and r not in RETRIEVERS:
                     raise ValueError(f"--retriever: unknown retriever {r!r}; choose from {', '.join(RETRIEVERS)}")
-                m = Mode(att, d, r if benchmark == "retrieval" else None)
+                keep = r if benchmark in RETRIEVER_BENCHMARKS else None
+                m = Mode(att, d, keep, collection=benchmark == "jsonl" and keep is not None)
+                if m.collection and att == "hf":
+                    raise ValueError("--modes hf: the transformers reference answers over given passages, not "
+                                     "over a collection; with --retriever on jsonl use ldqa's attention modes "
+                                     "(full, block, ...)")
                 if m not in out:
                     out.append(m)
     return out
@@ -375,6 +401,13 @@ def _niah(cfg: EvalConfig, qa) -> list[dict]:
 
 
 def _jsonl(cfg: EvalConfig, qa) -> list[dict]:
+    """The jsonl benchmark's examples. For modes without a retriever (the whole-context path) a
+    ``context`` is split into passages of --passage-tokens (cut in its middle to fit --max-length when
+    given); for modes with one (`answer_from_collection`) the context is written to its collection
+    directory (`write_context`) and the example carries its ``context_sha256``. Raises ValueError naming
+    the record when it lacks a question or answers, or, with a retriever, a ``context`` string."""
+    modes = parse_modes(cfg.modes, cfg.debias, cfg.retriever, cfg.benchmark)
+    whole, collections = any(not m.collection for m in modes), any(m.collection for m in modes)
     rows = _read_jsonl(Path(cfg.data))
     out = []
     for i in _sample(len(rows), cfg):
@@ -384,27 +417,32 @@ def _jsonl(cfg: EvalConfig, qa) -> list[dict]:
         answers = [answers] if isinstance(answers, str) else list(answers or [])
         if not question or not answers:
             raise ValueError(f"--data {cfg.data}, record {i + 1}: needs a question (or input) and answers")
-        skip, cut = None, 0
+        if collections and not (isinstance(r.get("context"), str) and r["context"].strip()):
+            raise ValueError(f"--data {cfg.data}, record {i + 1}: --retriever indexes each record's context, and "
+                             "this record has no context string (passages records: drop --retriever)")
+        skip, cut, passages = None, 0, None
         if r.get("passages"):
             passages = [p if isinstance(p, dict) else {"title": f"Passage {j + 1}", "text": p}
                         for j, p in enumerate(r["passages"])]
         elif r.get("context"):
-            tok = qa.llm.tokenizer
-            texts, cut = split_tokens(tok, tok.encode(r["context"]), cfg.passage_tokens), 0
-            if cfg.max_length is not None:
-                try:
-                    texts, cut = fit_context(tok, r["context"], question, cfg.passage_tokens,
-                                             cfg.max_length - (cfg.max_new_tokens or DEFAULT_MAX_NEW["jsonl"]))
-                except ValueError as e:  # this record's question cannot fit: an error row, the rest go on
-                    skip = str(e)
-            passages = [{"title": "Context", "text": t} for t in texts]
+            if whole:
+                tok = qa.llm.tokenizer
+                texts, cut = split_tokens(tok, tok.encode(r["context"]), cfg.passage_tokens), 0
+                if cfg.max_length is not None:
+                    try:
+                        texts, cut = fit_context(tok, r["context"], question, cfg.passage_tokens,
+                                                 cfg.max_length - (cfg.max_new_tokens or DEFAULT_MAX_NEW["jsonl"]))
+                    except ValueError as e:  # this record's question cannot fit: an error row, the rest go on
+                        skip = str(e)
+                passages = [{"title": "Context", "text": t} for t in texts]
         else:
             raise ValueError(f"--data {cfg.data}, record {i + 1}: needs context or passages")
         ex_id = str(r.get("_id") or r.get("id") or f"line{i + 1}")
         out.append({"id": ex_id, "record": i, "question": question, "answers": answers, "passages": passages,
                     **({"length": r["length"]} if "length" in r else {}),
-                    **({"context_tokens_cut": cut} if cfg.max_length is not None else {}),
-                    **({"skip_reason": skip} if skip else {})})
+                    **({"context_tokens_cut": cut} if cfg.max_length is not None and whole else {}),
+                    **({"skip_reason": skip} if skip else {}),
+                    **({"context_sha256": write_context(qa, r["context"])} if collections else {})})
     return out
 
 
@@ -597,6 +635,9 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
     A model whose logits turn NaN/inf (`NonFiniteLogitsError`), or a question that does not fit the
     model's window (`PromptTooLongError`), gives an error row: "error" holds the message, "score" and the timings are None (`run` leaves it out of the accuracy and does not cache
     it), never an empty prediction scored as a wrong answer. Other errors propagate."""
+    if mode.collection:  # jsonl with a retriever: the record's context as its own collection
+        return answer_from_collection(qa, cfg, ex, mode, max_new)
+
     from ldqa.app.prompt import PromptTooLongError
     from ldqa.attention.generate import NonFiniteLogitsError
 
@@ -627,6 +668,157 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
             **row, **{k: t.get(k) for k in ("ttft_ms", "tokens_per_s", "prompt_tokens", "generated_tokens",
                                             "total_ms")},
             **({"passages_dropped": t["passages_dropped"]} if t.get("passages_dropped") else {}),
+            "peak_mb": mem.peak, **({"gpu_peak_mb": mem.gpu_mb} if mem.gpu_mb is not None else {}),
+            "attention_used": used, "n_passages": len(passages), **({"error": error} if error else {})}
+
+
+# ------------------------------------------------------------------- jsonl over per-record collections
+
+COLLECTION_FORMAT = 1  # how a record's context becomes a collection (one file, Context.txt); bump on change
+
+
+class ContextIndexError(ValueError):
+    """A jsonl record's context could not be ingested as a collection (the message says why)."""
+
+
+def collection_settings() -> dict:
+    """What a per-record collection and its answers depend on besides the context and the run's
+    settings: the chunking ldqa ingests with (`LongDocQA`'s chunk_tokens/overlap_tokens defaults, tokens of
+    the LLM's tokenizer), the embedding model, `ask`'s abstention threshold and `COLLECTION_FORMAT`. Part
+    of the collection directory's key and of the prediction cache key (`settings_hash`)."""
+    import inspect
+
+    from ldqa.app.api import ABSTAIN_BELOW, LongDocQA
+    from ldqa.retrieval.embedders import DEFAULT_MODEL
+
+    params = inspect.signature(LongDocQA.__init__).parameters
+    return {"chunk_tokens": params["chunk_tokens"].default, "overlap_tokens": params["overlap_tokens"].default,
+            "embedder": DEFAULT_MODEL, "abstain_below": ABSTAIN_BELOW, "format": COLLECTION_FORMAT}
+
+
+def collection_dir(root: Path, context_sha256: str, model: str) -> Path:
+    """The cached collection of the context whose sha256 (hex) is `context_sha256`, under `root`:
+    ``<sha[:16]>-<h>``, h a hash of `collection_settings()` and the tokenizer's model name `model` (chunk
+    sizes are counted in its tokens), so another chunking, embedder or tokenizer gets its own directory
+    and a rerun finds the same one."""
+    h = hashlib.sha256(json.dumps([collection_settings(), model], sort_keys=True).encode()).hexdigest()
+    return Path(root) / f"{context_sha256[:16]}-{h[:8]}"
+
+
+def _context_file(qa, context_sha256: str) -> Path:
+    """Where `write_context` puts a context: ``Context.txt`` (the passages' title, as in the
+    whole-context path) in its `collection_dir` under ``<qa's store>/../collections``."""
+    return collection_dir(qa.store.path.parent / "collections", context_sha256, qa.model_name) / "doc" / "Context.txt"
+
+
+def write_context(qa, context: str) -> str:
+    """Write `context` to its collection's ``Context.txt`` (`_context_file`) unless it is there already;
+    returns its sha256 (hex), which the example carries instead of the text."""
+    sha = hashlib.sha256(context.encode("utf-8")).hexdigest()
+    doc = _context_file(qa, sha)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    if not doc.exists() or doc.read_text(encoding="utf-8") != context:
+        doc.write_text(context, encoding="utf-8")
+    return sha
+
+
+def open_collection(qa, context_sha256: str, max_new: int) -> tuple:
+    """(LongDocQA over the collection of a context `write_context` wrote, build info): its
+    ``Context.txt`` is ingested with ldqa's own chunker, embedder and store (same model, weights and KV
+    dtype as `qa`, whose loaded models it shares); a collection built before skips it (nothing embedded).
+    Info: index_ms (the ingest call's wall time, ms), index_cached (True when the collection was already
+    built), collection_chunks. Raises ContextIndexError (a ValueError) when the context file is missing or
+    cannot be ingested (with the ingest result's reason)."""
+    from ldqa.app.api import LongDocQA
+
+    st = collection_settings()
+    doc = _context_file(qa, context_sha256)
+    if not doc.is_file():
+        raise ContextIndexError(f"{doc}: the record's context was not written (the jsonl builder writes it)")
+    root = doc.parent.parent
+    item = LongDocQA(store=root / "store", model=qa.model_name, weights=qa.weights, kv_dtype=qa.kv_dtype,
+                     max_new_tokens=max_new, chunk_tokens=st["chunk_tokens"], overlap_tokens=st["overlap_tokens"])
+    report = item.ingest([doc])
+    f = report.files[0]
+    if f.status == "error":
+        item.store.close()
+        item.kv_store.close()
+        raise ContextIndexError(f"the record's context could not be indexed: {f.reason}")
+    return item, {"index_ms": report.ms, "index_cached": f.status == "skipped",
+                  "collection_chunks": item.store.n_chunks()}
+
+
+def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> dict:
+    """Answer jsonl example `ex` over its own collection (`open_collection`) with `LongDocQA.ask` (top
+    --top-k chunks from `mode.retriever`, `mode`'s attention and debiasing, ask's abstention): the row of
+    `answer_one` plus
+
+    - retrieval_ms: the question's retrieval time (ms) in the first ask;
+    - ttft_cold_ms (= ttft_ms, and the row's prediction and score): TTFT (prefill + first token, ms) of
+      the first question over the collection as freshly built: its KV block store emptied first, a new
+      `LongDocQA` (empty exact-prefill memo); the models loaded and, in block modes, the RoPE self-check
+      done before the clock, as `LongDocQA.warm_up` does for a user. A bias curve (calibrate methods) is
+      estimated once per passage count and mode and cached on disk, so only the first such row pays it.
+    - ttft_warm_ms: the same question asked again over the same collection with its KV blocks now stored
+      (block modes reuse them) but the exact-prefill memo emptied, so full attention prefills again as it
+      would for any new question over the collection (not the copy of this very prompt it keeps);
+      warm_same_answer says whether the second answer's text is the first's; tokens_reused and
+      tokens_reused_warm: prompt tokens read from stored KV blocks in the first and the second ask;
+    - gold_in_retrieved: 1.0 when a retrieved chunk holds a gold answer (`metrics.answer_in_passages`);
+      retrieved: each chunk's character offsets "start:end" (end exclusive) in the context as loaded
+      (`ldqa.retrieval.loaders`), in prompt order;
+    - index_ms, index_cached, collection_chunks (`open_collection`); abstained: ask answered
+      "Not found in the documents." without the model (TTFT then None: no prefill happened).
+
+    Error rows as in `answer_one` (NonFiniteLogitsError, PromptTooLongError, a context that cannot be
+    indexed)."""
+    from ldqa.app.prompt import PromptTooLongError
+    from ldqa.attention.generate import NonFiniteLogitsError
+    from ldqa.eval.metrics import answer_in_passages
+
+    row, error, text, t, warm, used, passages = {}, None, "", {}, None, mode.attention, []
+    kw = {"recompute_ratio": cfg.recompute_ratio} if mode.attention == "block+recompute" else {}
+    ask = dict(top_k=cfg.top_k, retriever=mode.retriever, attention=mode.attention, max_new_tokens=max_new,
+               debias=mode.debias, **kw)
+    item = None
+    with PeakMemory() as mem:
+        try:
+            item, row = open_collection(qa, ex["context_sha256"], max_new)
+            item.kv_store.clear()  # cold: no block of this collection stored (another mode or run may have)
+            item.warm_up()
+            if mode.attention.startswith("block"):
+                item.block_runtime  # noqa: B018  (RoPE self-check before the clock, once per LongDocQA)
+            ans = item.ask(ex["question"], **ask)
+            text, t, passages = ans.text, ans.timings, ans.passages
+            used = ans.settings.get("attention_used", mode.attention)
+            abstained = bool(ans.settings.get("abstained"))
+            if not abstained:
+                item.prefill_memo.clear()  # warm: blocks stored, but no copy of this exact prefill
+                warm = item.ask(ex["question"], **ask)
+            row |= {"abstained": abstained}
+            if ans.settings.get("passages_dropped"):
+                row["passages_dropped"] = ans.settings["passages_dropped"]
+        except (NonFiniteLogitsError, PromptTooLongError, ContextIndexError) as e:  # an error row
+            text, t, error = "", {}, f"{type(e).__name__}: {e}"
+        finally:
+            if item is not None:
+                item.store.close()
+                item.kv_store.close()
+    ttft = None if row.get("abstained") else t.get("ttft_ms")
+    meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers", "instruction",
+                                                     "answer_prefix", "skip_reason", "context_tokens_cut")}
+    return {"mode": mode.label, "example_id": ex["id"], **meta, "question": ex["question"],
+            "answers": ex["answers"], "prediction": text,
+            "score": None if error else score(cfg.benchmark, text, ex["answers"]),
+            "ttft_ms": ttft, "tokens_per_s": t.get("tokens_per_s"),
+            "prompt_tokens": t.get("prompt_tokens") or None, "generated_tokens": t.get("generated_tokens"),
+            "total_ms": t.get("total_ms"), "retrieval_ms": t.get("retrieval_ms"), "ttft_cold_ms": ttft,
+            "ttft_warm_ms": warm.timings["ttft_ms"] if warm else None,
+            "warm_same_answer": (warm.text == text) if warm else None,
+            "tokens_reused": t.get("tokens_reused"),
+            "tokens_reused_warm": warm.timings.get("tokens_reused") if warm else None,
+            "gold_in_retrieved": None if error else answer_in_passages([p.text for p in passages], ex["answers"]),
+            "retrieved": [f"{p.start}:{p.end}" for p in passages], **row,
             "peak_mb": mem.peak, **({"gpu_peak_mb": mem.gpu_mb} if mem.gpu_mb is not None else {}),
             "attention_used": used, "n_passages": len(passages), **({"error": error} if error else {})}
 
@@ -682,7 +874,17 @@ def mode_cache_key(m: Mode, retrieval_config=None) -> str:
     (`RetrievalConfig()` unless given), for the calibrate methods their measurement orders, calibration
     form and strength. A changed default (e.g. `top_k_keys`) thus recomputes those answers instead of
     reading stale ones. The hashed dicts keep the shape they had before `AttentionConfig` (issue 32), so
-    existing caches keep their keys (tests/test_cache_keys.py)."""
+    existing caches keep their keys (tests/test_cache_keys.py). A jsonl mode answered over per-record
+    collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings()` (chunking,
+    embedder, abstention threshold): its retriever is already in `Mode.key`, --top-k in `settings_hash`."""
+    key = _attention_key(m, retrieval_config)
+    if m.collection:
+        key += "+collection#" + hashlib.sha256(json.dumps(collection_settings(), sort_keys=True).encode()).hexdigest()[:12]
+    return key
+
+
+def _attention_key(m: Mode, retrieval_config=None) -> str:
+    """`mode_cache_key` without the collection part."""
     if m.attention == "hf":
         return m.key
     from ldqa.attention.engine import AttentionConfig
@@ -822,6 +1024,10 @@ def summarize(rows: list[dict], benchmark: str) -> dict:
          "fallbacks": sum(r["attention_used"] != r["mode"].split("/")[0].split("@")[0] for r in rows)}
     if benchmark == "retrieval":
         s |= {k: _mean(r[k] for r in rows) for k in [f"recall@{k}" for k in RANK_KS] + ["mrr@10", "ndcg@10"]}
+    if benchmark == "jsonl" and any("gold_in_retrieved" in r for r in rows):  # over per-record collections
+        s |= {"gold_in_retrieved": _mean(r["gold_in_retrieved"] for r in rows),
+              **{k: _median(r[k] for r in rows) for k in ("retrieval_ms", "ttft_cold_ms", "ttft_warm_ms")},
+              "abstained": sum(bool(r.get("abstained")) for r in rows)}
     key = {"nq-multidoc": "gold_position", "kv-retrieval": "depth"}.get(benchmark)
     if key:
         s["by_position"] = {str(p): _mean(r["score"] for r in rows if r[key] == p)
@@ -841,6 +1047,8 @@ def summary_markdown(result: dict) -> str:
     st = result["settings"]
     head = ["mode", "n", "accuracy", "TTFT ms (median)", "tokens/s (median)", "peak RSS MB", "prompt tokens (median)"]
     extra = [f"recall@{k}" for k in RANK_KS] + ["mrr@10", "ndcg@10"] if bench == "retrieval" else []
+    if bench == "jsonl" and any("gold_in_retrieved" in m for m in modes):
+        extra = JSONL_COLLECTION_COLUMNS
     lines = [f"# ldqa eval {bench}", "",
              f"model `{result['model']}`, data `{st['data']}`, seed {st['seed']}, max_new_tokens "
              f"{st['max_new_tokens']}; accuracy = {result['metric']}; {result['computed']} answers computed, "
@@ -848,8 +1056,13 @@ def summary_markdown(result: dict) -> str:
              "| " + " | ".join(head + extra) + " |", "|" + "---|" * len(head + extra)]
     for m in modes:
         cells = [m["mode"], str(m["n"]), _fmt(m["accuracy"], 3), _fmt(m["ttft_ms"]), _fmt(m["tokens_per_s"]),
-                 _fmt(m["peak_mb"], 0), _fmt(m["prompt_tokens"], 0)] + [_fmt(m[k], 3) for k in extra]
+                 _fmt(m["peak_mb"], 0), _fmt(m["prompt_tokens"], 0)] + [_fmt(m.get(k), 1 if k.endswith("_ms") else 3) for k in extra]
         lines.append("| " + " | ".join(cells) + " |")
+    if extra == JSONL_COLLECTION_COLUMNS:
+        lines += ["", "Modes with a retriever answer each record over its own collection (top "
+                  f"{st['top_k']} chunks, as `ldqa ask`): TTFT ms (median) is the cold one, the first question "
+                  "over the freshly built collection; ttft_warm_ms the same question again with its KV blocks "
+                  "stored; gold_in_retrieved the fraction whose retrieved chunks hold a gold answer."]
     if any(m.get("fallbacks") for m in modes):
         lines += ["", "Some block-mode answers fell back to full attention (see `attention_used` in results.csv)."]
     if "by_position" in modes[0]:
@@ -938,8 +1151,11 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", default="full",
                    help=f"comma-separated: {', '.join(ENGINES)}; an item may be ATTENTION[/DEBIAS][@RETRIEVER]")
     p.add_argument("--debias", default="none", help=f"comma-separated: {', '.join(DEBIAS_METHODS)}")
-    p.add_argument("--retriever", default="hybrid",
-                   help=f"comma-separated: {', '.join(RETRIEVERS)} (retrieval benchmark)")
+    p.add_argument("--retriever", default=None,
+                   help=f"comma-separated: {', '.join(RETRIEVERS)}. retrieval benchmark: default hybrid. jsonl: each "
+                        "record's context becomes its own collection (ldqa's chunker, embedder and store, cached "
+                        "under OUT/collections) and is answered over the top --top-k chunks as `ldqa ask` would; "
+                        "default: the whole context")
     p.add_argument("--limit", type=int, default=None, help="questions (niah: grid cells) evaluated; default all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default out/eval-BENCHMARK)")
@@ -954,7 +1170,8 @@ def add_arguments(p) -> None:
     p.add_argument("--depths", default="0,25,50,75,100", help="kv-retrieval, niah: depths in percent")
     p.add_argument("--lengths", default="1024,2048,4096", help="niah: haystack lengths in tokens")
     p.add_argument("--kv-keys", type=int, default=None, help="kv-retrieval: keep this many key-value records")
-    p.add_argument("--top-k", type=int, default=5, help="retrieval: passages answered over")
+    p.add_argument("--top-k", type=int, default=5,
+                   help="retrieval, jsonl with --retriever: passages retrieved and answered over (>= 1)")
     p.add_argument("--passage-tokens", type=int, default=512, help="niah, jsonl: tokens per passage of a long text")
     p.add_argument("--niah-config", default=None, help="niah: JSON with needle, question, answers")
     p.add_argument("--recompute-ratio", type=float, default=None, help="block+recompute: fraction recomputed")

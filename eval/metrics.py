@@ -206,3 +206,19 @@ def token_f1(prediction: str, answers: list[str]) -> float:
             p, r = same / len(pred), same / len(gold)
             best = max(best, 2 * p * r / (p + r))
     return best
+
+
+def answer_in_passages(passages: list[str], answers: list[str]) -> float:
+    """Whether the retrieved text holds a gold answer: 1.0 when some gold answer, normalized as the
+    metrics above normalize it (its level, rule 1; CJK per character, rule 2), occurs as a run of whole
+    tokens in the same normalization of one of `passages` (texts), else 0.0. Whole tokens: gold "60" is not
+    found in "1960", gold "over 60" is in "got press hits in over 60 different publications". An answer
+    split across two passages is not counted. Empty golds never match; no passages gives 0.0.
+    Raises ValueError when `answers` is empty."""
+    _check(answers, "answer_in_passages")
+    for text in passages:
+        for a in answers:
+            al = _aligned(text, a)
+            if al is not None and f" {' '.join(al[1])} " in f" {' '.join(al[0])} ":
+                return 1.0
+    return 0.0
