@@ -348,7 +348,9 @@ class FusedDecode:
     another order (tests/test_cpu_linear.py bounds the difference; greedy text compared in docs/results.md).
 
     Building it concatenates q/k/v's and gate/up's quantized rows and re-points the modules' buffers at
-    views of the concatenation, so the weights are held once (prefill still uses the modules).
+    views of the concatenation, so the weights are held once (prefill still uses the modules). It takes
+    the norms' multipliers as they are then: a model whose weights are changed afterwards must be fused
+    again (`fuse_decode`).
     """
 
     def __init__(self, layer: nn.Module, cfg):
@@ -357,35 +359,33 @@ class FusedDecode:
         biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
         self.bias = None if biases[0] is None else torch.cat(biases).float().contiguous()
         self.wgu, self.dgu = _concat_rows([m.gate_proj, m.up_proj])
-        self.o_proj, self.down_proj = a.o_proj, m.down_proj
-        self.in_norm = layer.input_layernorm
-        self.q_norm = a.q_norm if cfg.qk_norm else None
-        self.k_norm = a.k_norm if cfg.qk_norm else None
         if layer.sandwich:  # Gemma 3: x + n(o) -> h; h + n(mlp(n(h)))
-            self.attn_norm, self.ff_norm = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
-            self.ff_out_norm = layer.post_feedforward_layernorm
+            attn_norm, ff_norm = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+            ff_out_norm = layer.post_feedforward_layernorm
         else:  # x + o -> h; h + mlp(n(h))
-            self.attn_norm, self.ff_norm, self.ff_out_norm = None, layer.post_attention_layernorm, None
-        self.act = "silu" if cfg.hidden_act == "silu" else "gelu_tanh"
-        self.eps, self.n_heads, self.n_kv, self.d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.hidden = cfg.hidden_size
+            attn_norm, ff_norm, ff_out_norm = None, layer.post_attention_layernorm, None
+
+        def mult(norm):  # the norm's multiplier as it is now (norm weights do not change after loading)
+            return None if norm is None else norm.multiplier().contiguous()
+
+        self.n_heads, self.n_kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.kernel = cpu_linear.DecodeLayer(
+            wqkv=self.wqkv, dqkv=self.dqkv, bias=self.bias, n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.d,
+            in_norm=mult(layer.input_layernorm), q_norm=mult(a.q_norm) if cfg.qk_norm else None,
+            k_norm=mult(a.k_norm) if cfg.qk_norm else None, wo=a.o_proj.qweight, dwo=a.o_proj.bscales,
+            attn_norm=mult(attn_norm), ff_norm=mult(ff_norm), ff_out_norm=mult(ff_out_norm), wgu=self.wgu,
+            dgu=self.dgu, wd=m.down_proj.qweight, dwd=m.down_proj.bscales,
+            act="silu" if cfg.hidden_act == "silu" else "gelu_tanh", eps=cfg.rms_norm_eps)
 
     def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: (1, 1, hidden) float32; cos, sin: (1, head_dim) -> q (1, heads, 1, d), k, v (1, kv_heads, 1, d)."""
         h, kv, d = self.n_heads, self.n_kv, self.d
-        out = cpu_linear.decode_attn_in(
-            _dense(x), self.in_norm.multiplier(), self.eps, self.wqkv, self.dqkv, self.bias, h, kv, d,
-            None if self.q_norm is None else self.q_norm.multiplier(),
-            None if self.k_norm is None else self.k_norm.multiplier(), _dense(cos), _dense(sin))
+        out = self.kernel.attn_in(_dense(x), _dense(cos), _dense(sin))
         return out.view(1, h + 2 * kv, 1, d).split((h, kv, kv), dim=1)
 
     def attn_out(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x: (1, 1, hidden) the layer's input; attn: (1, heads, 1, d) attention output -> (1, 1, hidden)."""
-        return cpu_linear.decode_attn_out(
-            _dense(x), _dense(attn), self.o_proj.qweight, self.o_proj.bscales,
-            None if self.attn_norm is None else self.attn_norm.multiplier(), self.ff_norm.multiplier(),
-            None if self.ff_out_norm is None else self.ff_out_norm.multiplier(), self.eps, self.wgu, self.dgu, self.act,
-            self.down_proj.qweight, self.down_proj.bscales)
+        return self.kernel.attn_out(_dense(x), _dense(attn))
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

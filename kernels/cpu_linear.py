@@ -253,57 +253,57 @@ def _check(rc: int, what: str) -> None:
         raise ValueError(f"{what}: the kernel rejected an input size (K must be a multiple of {QK})")
 
 
-def decode_attn_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, wqkv: torch.Tensor, dqkv: torch.Tensor,
-                   bias: torch.Tensor | None, n_heads: int, n_kv: int, head_dim: int, qnorm_w: torch.Tensor | None,
-                   knorm_w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The part of a decoder layer before attention, for one token, in one C call (`ldqa_q8_0_attn_in`).
+class DecodeLayer:
+    """One decoder layer's decode (one token of one sequence) around attention, in two C calls:
+    `attn_in` (`ldqa_q8_0_attn_in`) and `attn_out` (`ldqa_q8_0_attn_out`). Built once per layer from its
+    weights, whose addresses it keeps (and the tensors, alive): a call then converts only the token's
+    tensors. Needs `available()`: raises RuntimeError otherwise.
 
-    x: (..., hidden) float32 contiguous holding one token, the layer's input; norm_w: (hidden,) the input RMSNorm's multiplier
-    (1 + w for Gemma, w otherwise; `RMSNorm.multiplier`); wqkv: (H*d + 2*KV*d, hidden) int8 and dqkv its
-    Q8_0 scales (N, hidden/32) float16: q_proj's rows, then k_proj's, then v_proj's; bias: (N,) or None;
-    qnorm_w, knorm_w: (head_dim,) per-head RMSNorm multipliers or None (no q/k norm); cos, sin: (head_dim,)
-    RoPE at the token's position (rotate_half layout, `model.rope_cos_sin`).
-    Returns (N,) float32 = [q | k | v], q and k normalized and rotated. Needs `available()`; raises
-    RuntimeError otherwise, ValueError/MemoryError when the kernel refuses. Reference: the model's own
-    modules (RMSNorm, QLinear, apply_rope), compared in tests/test_cpu_linear.py.
+    Weights (Q8_0: int8 rows (N, K) and float16 scales (N, K/32)): wqkv, dqkv: q_proj's rows, then
+    k_proj's, then v_proj's (N = H*d + 2*KV*d); bias: (N,) float32 or None; wo, dwo: o_proj (hidden, H*d);
+    wgu, dgu: gate_proj's rows then up_proj's (2*I, hidden); wd, dwd: down_proj (hidden, I).
+    Norm multipliers, float32 (`RMSNorm.multiplier`: 1 + w for Gemma, w otherwise): in_norm (hidden,);
+    q_norm, k_norm (head_dim,) or None (no q/k norm); Gemma 3 passes attn_norm (post-attention), ff_norm
+    (pre-feedforward) and ff_out_norm (post-feedforward): x + n(o) -> h, h + n(mlp(n(h))); the other
+    families pass ff_norm (post_attention_layernorm) only: x + o -> h, h + mlp(n(h)). act: "silu" or
+    "gelu_tanh". Reference: the model's own modules (tests/test_fused_decode.py compares them).
     """
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError(f"the q8_0 CPU kernel is not available: {unavailable_reason()}")
-    n = wqkv.shape[0]
-    out = torch.empty(n, dtype=torch.float32)
-    rc = _run("ldqa::decode_attn_in", lib.ldqa_q8_0_attn_in, x.data_ptr(), x.shape[-1], norm_w.data_ptr(), eps,
-              wqkv.data_ptr(), dqkv.data_ptr(), _ptr(bias), n_heads, n_kv, head_dim, _ptr(qnorm_w), _ptr(knorm_w),
-              cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    _check(rc, "decode_attn_in")
-    return out
 
+    def __init__(self, *, wqkv, dqkv, bias, n_heads: int, n_kv: int, head_dim: int, in_norm, q_norm, k_norm,
+                 wo, dwo, attn_norm, ff_norm, ff_out_norm, wgu, dgu, wd, dwd, act: str, eps: float):
+        lib = _lib()
+        if lib is None:
+            raise RuntimeError(f"the q8_0 CPU kernel is not available: {unavailable_reason()}")
+        self._keep = (wqkv, dqkv, bias, in_norm, q_norm, k_norm, wo, dwo, attn_norm, ff_norm, ff_out_norm, wgu, dgu,
+                      wd, dwd)
+        self._in, self._out = lib.ldqa_q8_0_attn_in, lib.ldqa_q8_0_attn_out
+        self.n_qkv, self.hidden = wqkv.shape[0], wqkv.shape[1]
+        self._in_args = (in_norm.data_ptr(), eps, wqkv.data_ptr(), dqkv.data_ptr(), _ptr(bias), n_heads, n_kv,
+                         head_dim, _ptr(q_norm), _ptr(k_norm))
+        self._out_args = (wo.data_ptr(), dwo.data_ptr(), _ptr(attn_norm), ff_norm.data_ptr(), _ptr(ff_out_norm),
+                          eps, wgu.data_ptr(), dgu.data_ptr(), wd.shape[1], ACTIVATIONS[act], wd.data_ptr(),
+                          dwd.data_ptr())
 
-def decode_attn_out(x: torch.Tensor, attn: torch.Tensor, wo: torch.Tensor, dwo: torch.Tensor,
-                    attn_norm_w: torch.Tensor | None, ff_norm_w: torch.Tensor, ff_out_norm_w: torch.Tensor | None,
-                    eps: float, wgu: torch.Tensor, dgu: torch.Tensor, act: str, wd: torch.Tensor,
-                    dwd: torch.Tensor) -> torch.Tensor:
-    """The part of a decoder layer after attention, for one token, in one C call (`ldqa_q8_0_attn_out`).
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (..., hidden) float32 contiguous holding one token, the layer's input; cos, sin: head_dim float32
+        contiguous values, RoPE at the token's position (rotate_half layout, `model.rope_cos_sin`).
+        Returns (N,) float32 = [q | k | v]: input RMSNorm, the q|k|v product (+ bias), q/k norms, RoPE.
+        Raises ValueError/MemoryError when the kernel refuses."""
+        out = torch.empty(self.n_qkv, dtype=torch.float32)
+        rc = _run("ldqa::decode_attn_in", self._in, x.data_ptr(), self.hidden, *self._in_args, cos.data_ptr(),
+                  sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        _check(rc, "decode_attn_in")
+        return out
 
-    x: (..., hidden) float32 contiguous holding one token, the layer's input (the residual stream); attn:
-    (..., H*d) float32 contiguous, the attention output (heads concatenated); wo, dwo: o_proj in Q8_0 (hidden, H*d); wgu, dgu: gate_proj's rows then
-    up_proj's (2*I, hidden); wd, dwd: down_proj (hidden, I); act: "silu" or "gelu_tanh". Norm multipliers
-    (`RMSNorm.multiplier`): Gemma 3 passes attn_norm_w (post-attention), ff_norm_w (pre-feedforward) and
-    ff_out_norm_w (post-feedforward): x + n(o) -> h, h + n(mlp(n(h))); the other families pass
-    ff_norm_w (post_attention_layernorm) only: x + o -> h, h + mlp(n(h)).
-    Returns the layer's output, x's shape, float32. Raises like `decode_attn_in`.
-    """
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError(f"the q8_0 CPU kernel is not available: {unavailable_reason()}")
-    hidden = x.shape[-1]
-    out = torch.empty(x.shape, dtype=torch.float32)
-    rc = _run("ldqa::decode_attn_out", lib.ldqa_q8_0_attn_out, x.data_ptr(), attn.data_ptr(), hidden, attn.numel(),
-              wo.data_ptr(), dwo.data_ptr(), _ptr(attn_norm_w), ff_norm_w.data_ptr(), _ptr(ff_out_norm_w), eps,
-              wgu.data_ptr(), dgu.data_ptr(), wd.shape[1], ACTIVATIONS[act], wd.data_ptr(), dwd.data_ptr(),
-              out.data_ptr(), torch.get_num_threads())
-    _check(rc, "decode_attn_out")
-    return out
+    def attn_out(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x: (..., hidden) float32 contiguous, the layer's input (the residual stream); attn: H*d float32
+        contiguous values, the attention output (heads concatenated). Returns the layer's output, x's
+        shape: o_proj, norms and residual adds, gate|up, the activation, down_proj."""
+        out = torch.empty(x.shape, dtype=torch.float32)
+        rc = _run("ldqa::decode_attn_out", self._out, x.data_ptr(), attn.data_ptr(), self.hidden, attn.numel(),
+                  *self._out_args, out.data_ptr(), torch.get_num_threads())
+        _check(rc, "decode_attn_out")
+        return out
 
 
 # --------------------------------------------------------------------------- decode attention

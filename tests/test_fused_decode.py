@@ -84,9 +84,9 @@ def test_without_the_kernel_nothing_is_fused(tiny_model_dir, monkeypatch):
     toks, logits = _decode(lm.model, torch.tensor([[5, 6, 7, 8]]), 3)  # the module path still decodes
     assert len(toks) == 3 and torch.isfinite(logits).all()
     with pytest.raises(RuntimeError, match="not available.*LDQA_CPU_KERNELS=torch"):
-        cpu_linear.decode_attn_in(torch.zeros(64), torch.ones(64), 1e-6, torch.zeros(96, 64, dtype=torch.int8),
-                                  torch.zeros(96, 2, dtype=torch.float16), None, 1, 1, 32, None, None,
-                                  torch.ones(32), torch.zeros(32))
+        cpu_linear.DecodeLayer(wqkv=None, dqkv=None, bias=None, n_heads=1, n_kv=1, head_dim=32, in_norm=None,
+                               q_norm=None, k_norm=None, wo=None, dwo=None, attn_norm=None, ff_norm=None,
+                               ff_out_norm=None, wgu=None, dgu=None, wd=None, dwd=None, act="silu", eps=1e-6)
 
 
 def test_other_formats_are_not_fused(tiny_model_dir):
