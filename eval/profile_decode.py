@@ -6,7 +6,8 @@
 For each format the model prefills `--length` prompt ids (the same ids as `bench_runtime`) and then runs
 greedy decode steps; a step's wall time is measured without the profiler (median of `--steps`), and
 torch.profiler splits the CPU time of as many steps into: the packed/quantized or float matmuls of the
-linear layers, the LM head alone (timed separately on one hidden state), the attention products (`bmm`),
+linear layers (q8_0: the fused layer calls), the LM head alone (timed separately on one hidden state), the
+attention products (`bmm`, or ldqa's C decode attention),
 and everything else (norms, RoPE, casts, Python between ops), which is what compiling the step could at
 most remove. `--compile-probe`: times the LM head as `torch.compile` of "dequantize int8, then linear"
 (gpt-fast's int8 formulation) against the aten packed op, to see whether Inductor fuses the dequantization
@@ -26,8 +27,11 @@ import torch
 from ldqa.attention.loader import load_model
 from ldqa.eval.bench_runtime import prompt_ids, write_report
 
+# the fused q8_0 decode calls (quant.FusedDecode) count as matmuls: their norms, RoPE and activation are a
+# small part of them (a few thousand values per layer against the weight rows)
 MATMUL_OPS = ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::addmm", "aten::mm",
-              "aten::linear", "ldqa::linear_q8_0")
+              "aten::linear", "ldqa::linear_q8_0", "ldqa::decode_attn_in", "ldqa::decode_attn_out")
+ATTENTION_OPS = ("aten::bmm", "ldqa::decode_attention")  # torch's products, or ldqa's C decode attention
 
 
 def _ms(f, n: int) -> float:
@@ -66,7 +70,7 @@ def profile_format(name: str, fmt: str, length: int, steps: int) -> dict:
         h = torch.randn(1, 1, m.lm_head.in_features)
         head_ms = _ms(lambda: m.lm_head(h), steps)
     matmul = sum(v for k, v in self_ms.items() if k in MATMUL_OPS)
-    attn = self_ms.get("aten::bmm", 0.0)
+    attn = sum(self_ms.get(k, 0.0) for k in ATTENTION_OPS)
     profiled = sum(self_ms.values())
     return {"model": name, "format": fmt, "prompt_tokens": len(ids), "threads": torch.get_num_threads(),
             "step_ms": step_ms, "profiled_step_ms": profiled, "lm_head_ms": head_ms,
@@ -94,7 +98,7 @@ def compile_probe(n: int = 262144, k: int = 640) -> dict:
 
 
 def table(rows: list[dict], probe: dict | None) -> str:
-    lines = ["| model | format | threads | prompt | step (ms) | LM head | other matmuls | attention (bmm) | rest |",
+    lines = ["| model | format | threads | prompt | step (ms) | LM head | other matmuls | attention | rest |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['format']} | {r['threads']} | {r['prompt_tokens']} | {r['step_ms']:.1f} | "
