@@ -44,6 +44,7 @@ QK = 32  # input channels per block (GGUF's QK8_0)
 MAX_K = 65536  # the kernel's stack buffer holds the scales of 2048 blocks
 PROFILER_NAME = "ldqa::linear_q8_0"  # the kernel's name in torch.profiler tables
 _SOURCES = (Path(__file__).with_name("q8_0.c"), Path(__file__).with_name("decode_attention.c"))  # one library
+_HEADERS = (Path(__file__).with_name("simd.h"),)  # included by the sources (part of the build key)
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 _lock = threading.Lock()
 _state: dict = {}
@@ -124,7 +125,7 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("no C compiler found (cc, gcc or clang; or set CC) to build the q8_0 CPU kernel")
     cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]  # (+ "-lm" after the source)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([*(src.read_text() for src in _SOURCES), " ".join(cmd), version,
+    key = hashlib.sha256("\n".join([*(src.read_text() for src in _SOURCES + _HEADERS), " ".join(cmd), version,
                                     " ".join(sorted(flags))]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"q8_0-{key}.so"
     if target.exists():

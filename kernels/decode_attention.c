@@ -19,15 +19,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 #define MAX_GROUP 16 /* query heads per KV head */
 
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_t H, int64_t KV, int64_t L,
                           int64_t d, int64_t hs, const uint8_t *mask, float scale, float *out, int threads) {
@@ -52,7 +47,7 @@ int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_
                 const __m256 kv8 = _mm256_loadu_ps(kj + i);
                 for (int64_t r = 0; r < g; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + r * d + i), kv8, acc[r]);
             }
-            for (int64_t r = 0; r < g; r++) s[j * g + r] = hsum(acc[r]) * scale;
+            for (int64_t r = 0; r < g; r++) s[j * g + r] = hsum256(acc[r]) * scale;
         }
         /* softmax per query head (serial: L exps per head) */
         float inv[MAX_GROUP];

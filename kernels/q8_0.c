@@ -21,15 +21,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 #define QK 32
 
-static inline float hsum256(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 /* x (M, K) fp32 -> xq (M, K) int16 and xd (M, K / 32) fp32 with x ~= xd * xq per block of 32 */
 static void quantize_x(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd) {

@@ -82,3 +82,15 @@ def shared_data() -> Path:
     if not SHARED_DATA.exists():
         pytest.skip(f"{SHARED_DATA} not present (the shared data folder sits beside the repository)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def nq_small(shared_data, tmp_path_factory) -> Path:
+    """The first 12 records of the NQ-open oracle file (a small corpus keeps eval runs fast)."""
+    import gzip
+
+    path = tmp_path_factory.mktemp("nq") / "nq-small.jsonl.gz"
+    with gzip.open(shared_data / "nq-open-oracle.jsonl.gz", "rt") as f, gzip.open(path, "wt") as g:
+        for _, line in zip(range(12), f):
+            g.write(line)
+    return path

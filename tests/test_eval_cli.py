@@ -5,7 +5,6 @@ The runs go through `ldqa.app.cli.main` in-process (the console script itself is
 from __future__ import annotations
 
 import csv
-import gzip
 import json
 import math
 from pathlib import Path
@@ -119,16 +118,6 @@ def test_bad_arguments_are_named(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ runs
-
-@pytest.fixture(scope="module")
-def nq_small(shared_data, tmp_path_factory) -> Path:
-    """The first 12 records of the NQ-open oracle file (a small corpus keeps the retrieval run fast)."""
-    path = tmp_path_factory.mktemp("nq") / "nq-small.jsonl.gz"
-    with gzip.open(shared_data / "nq-open-oracle.jsonl.gz", "rt") as f, gzip.open(path, "wt") as g:
-        for _, line in zip(range(12), f):
-            g.write(line)
-    return path
-
 
 def _eval(bench, data, out, model, *extra):
     argv = ["eval", bench, "--data", str(data), "--out", str(out), "--model", str(model), "--limit", "2",

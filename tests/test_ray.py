@@ -46,15 +46,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def nq_small(shared_data, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("nq") / "nq-small.jsonl.gz"
-    with gzip.open(shared_data / "nq-open-oracle.jsonl.gz", "rt") as f, gzip.open(path, "wt") as g:
-        for _, line in zip(range(12), f):
-            g.write(line)
-    return path
-
-
 def _cfg(bench, data, out, model, **kw) -> harness.EvalConfig:
     base = dict(limit=2, max_new_tokens=4, progress=False, model=str(model))
     if bench == "nq-multidoc":
