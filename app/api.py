@@ -38,9 +38,10 @@ ABSTAIN_BELOW = 0.25
 def repeats_itself(text: str, n: int = 4, below: float = 0.25) -> bool:
     """Whether `text` is mostly one short pattern repeated ("1000000...", "| | | |" rows): fewer than
     `below` of its character n-grams are distinct. A derailed generation looks like this; a sentence or a
-    table with content does not (their n-grams are mostly distinct). Texts under 24 characters: False."""
+    table with content does not (their n-grams are mostly distinct). Texts under 12 characters: False
+    (a 16-token budget can end a derailed "100000000000000" at 15)."""
     t = text.strip()
-    if len(t) < 24:
+    if len(t) < 12:
         return False
     grams = [t[i:i + n] for i in range(len(t) - n + 1)]
     return len(set(grams)) < below * len(grams)

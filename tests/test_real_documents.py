@@ -559,13 +559,14 @@ def test_a_derailed_answer_is_not_called_merely_cut():
         return Answer("q?", text, [], [], {"stop_reason": "max_new_tokens"}, {"max_new_tokens": 64})
 
     # what the sample's error-code question gets in block mode, and an empty-table loop
-    for junk in ("1" + "0" * 63, "$1,180 |\n" + "| | | |\n" * 10):
+    # (the second: the same cut by a 16-token budget, as `ldqa ask --max-new-tokens 16` gets it)
+    for junk in ("1" + "0" * 63, "1" + "0" * 14, "$1,180 |\n" + "| | | |\n" * 10):
         assert repeats_itself(junk)
         assert "repeating itself: the model derailed" in ans(junk).notice
         assert "raise max_new_tokens" not in ans(junk).notice
     # real answers cut short, a real table, and short texts are not flagged
     for fine in ("The SL-30 holds a maximum load of 3.2 cubic metres of stacked lumber, which is a",
                  "| Model | Price |\n|---|---|\n| SL-30 | EUR 6,900 |\n| SL-30 Pro | EUR 8,450 |",
-                 "E-03.", "no no no no no"):
+                 "E-03.", "no no no no no", "14 March 2023.", "SL30-2207-0450", "20 October 2024."):
         assert not repeats_itself(fine), fine
     assert "raise max_new_tokens" in ans("The SL-30 holds a maximum load of 3.2 cubic metres of stacked").notice
