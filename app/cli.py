@@ -257,7 +257,8 @@ def cmd_demo(args) -> int:
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")
         print_answer_details(ans)
         results.append(ans.to_dict() | {"gold": q["answers"], "correct": ok})
-    print(f"\n== {int(correct)}/{len(questions)} answers contain the gold answer (best-subspan EM)")
+    print(f"\n== {int(correct)}/{len(questions)} answers contain the gold answer (best-subspan EM); model "
+          f"{qa.model_name}, weights {qa.weights}")
     if args.json:
         print(json.dumps(results, indent=1, default=str))
     return 0
