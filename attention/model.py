@@ -243,8 +243,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
     def forward(self, x, cos, sin, positions, cache, masks, slots=None):
-        one = slots is None and x.shape[0] == 1 and x.shape[1] == 1 and x.dtype == torch.float32
-        if self.fused is not None and one:  # one token of one sequence: the layer in two C calls
+        if (self.fused is not None and slots is None and x.shape[0] == 1 and x.shape[1] == 1
+                and x.dtype == torch.float32):  # one token of one sequence: the layer in two C calls
             q, k, v = self.fused.attn_in(x, cos, sin)
             return self.fused.attn_out(x, self.self_attn.attend(q, k, v, positions, cache, masks))
         a = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, masks, slots)

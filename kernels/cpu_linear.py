@@ -1,6 +1,6 @@
 """ldqa's CPU kernels in C, built at first use into one library: the matmul of the `q8_0` weight format
-(`q8_0.c`: `linear_q8_0`, and a decoder layer's decode halves around attention, `decode_attn_in` /
-`decode_attn_out`) and the attention of one decode token (`decode_attention.c`: `decode_attention`).
+(`q8_0.c`: `linear_q8_0`, and a decoder layer's decode around attention, `DecodeLayer`) and the
+attention of one decode token (`decode_attention.c`: `decode_attention`).
 Torch references: `linear_q8_0_reference`, the model's modules, `reference.attention`.
 
 Q8_0 is GGUF's (llama.cpp's) 8-bit layout: int8 values in blocks of 32 input channels, one fp16 scale per
@@ -198,6 +198,25 @@ def unavailable_reason() -> str | None:
     return _state.get("why")
 
 
+def _run(name: str, fn, *args) -> int:
+    """Call a kernel function; under torch.profiler, as a named range (a ctypes call is invisible to it)."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == 2:
+        raise MemoryError(f"{what}: no memory for the kernel's scratch buffers")
+    if rc:
+        raise ValueError(f"{what}: the kernel rejected an input size (K must be a multiple of {QK})")
+
+
 def linear_q8_0(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """y = x W^T for a Q8_0 weight on the CPU: the C kernel when available, else the torch reference.
 
@@ -218,40 +237,14 @@ def linear_q8_0(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    args = (x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
-    if torch.autograd._profiler_enabled():  # a ctypes call is invisible to torch.profiler: name it
-        with torch.profiler.record_function(PROFILER_NAME):
-            rc = lib.ldqa_q8_0_linear(*args)
-    else:
-        rc = lib.ldqa_q8_0_linear(*args)
-    if rc == 2:
-        raise MemoryError(f"linear_q8_0: no memory for the rounded activations of x {tuple(x.shape)}")
-    if rc:
-        raise ValueError(f"linear_q8_0: the kernel rejected K={k}")
+    rc = _run(PROFILER_NAME, lib.ldqa_q8_0_linear, x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n,
+              y.data_ptr(), torch.get_num_threads())
+    _check(rc, f"linear_q8_0 (x {tuple(x.shape)})")
     return y
 
 
 # --------------------------------------------------------------------------- fused decode halves of a layer
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
-
-
-def _run(name: str, fn, *args) -> int:
-    """Call a kernel function; under torch.profiler, as a named range (a ctypes call is invisible to it)."""
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function(name):
-            return fn(*args)
-    return fn(*args)
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _check(rc: int, what: str) -> None:
-    if rc == 2:
-        raise MemoryError(f"{what}: no memory for the kernel's scratch buffers")
-    if rc:
-        raise ValueError(f"{what}: the kernel rejected an input size (K must be a multiple of {QK})")
 
 
 class DecodeLayer:

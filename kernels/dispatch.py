@@ -26,7 +26,15 @@ import os
 
 import torch
 
-from ldqa.kernels import reference
+from ldqa.kernels import cpu_linear, reference
+
+
+def _forced() -> str:
+    """LDQA_KERNELS: "triton", "torch" or "" (not set). Raises ValueError for anything else."""
+    forced = os.environ.get("LDQA_KERNELS", "").strip().lower()
+    if forced and forced not in ("triton", "torch"):
+        raise ValueError(f"LDQA_KERNELS={forced!r}: use 'triton' or 'torch'")
+    return forced
 
 
 def backend_for(t: torch.Tensor) -> str:
@@ -34,12 +42,7 @@ def backend_for(t: torch.Tensor) -> str:
 
     Raises ValueError when LDQA_KERNELS holds anything but "triton" or "torch".
     """
-    forced = os.environ.get("LDQA_KERNELS", "").strip().lower()
-    if forced in ("triton", "torch"):
-        return forced
-    if forced:
-        raise ValueError(f"LDQA_KERNELS={forced!r}: use 'triton' or 'torch'")
-    return "triton" if t.is_cuda else "torch"
+    return _forced() or ("triton" if t.is_cuda else "torch")
 
 
 def _impl(t: torch.Tensor, module: str, name: str):
@@ -71,12 +74,9 @@ def attention(
     """
     if mask is None and backend_for(q) == "triton":
         return prefill_attention(q, k, v, scale=scale, causal=False)[0]
-    if q.shape[2] == 1 and os.environ.get("LDQA_KERNELS", "").strip().lower() != "torch":
-        # one decode token on the CPU: ldqa's C kernel (reads each K/V row once for the whole GQA group)
-        from ldqa.kernels import cpu_linear
-
-        if cpu_linear.decode_attention_fits(q, k, v, mask):
-            return cpu_linear.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
+    # one decode token on the CPU: ldqa's C kernel (reads each K/V row once for the whole GQA group)
+    if q.shape[2] == 1 and _forced() != "torch" and cpu_linear.decode_attention_fits(q, k, v, mask):
+        return cpu_linear.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
     return reference.attention(q, k, v, mask=mask, scale=scale)
 
 
