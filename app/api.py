@@ -26,6 +26,13 @@ RETRIEVERS = ("hybrid", "dense", "bm25")
 # the attention settings shown before the prompt options in `Answer.settings` (the rest come after "kv_dtype")
 _HEAD_KEYS = ("debias", "debias_orders", "debias_calibration", "debias_strength", "block_headers")
 DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collection sets one
+# What `ask`/`stream`/`answer`, `ldqa ask`/`demo` and the web app answer with when the user names nothing:
+# chosen by the defaults study of issue 34 (`python -m ldqa.eval.bench_defaults`, docs/results.md), accuracy
+# first, then time to answer. `ldqa ingest` precomputes KV blocks by default when DEFAULT_ATTENTION is a
+# block mode (`precompute_kv_by_default`).
+DEFAULT_ATTENTION = "full"
+DEFAULT_DEBIAS = "none"
+DEFAULT_TOP_K = 5
 # `ask` answers ABSTAIN_PHRASE without running the LLM when no retrieved passage reaches this dense cosine
 # similarity (MiniLM): the question is about nothing in the collection. Chosen by
 # `python -m ldqa.eval.bench_abstain --part retrieval` (docs/results.md, issue 31): midway between the
@@ -33,6 +40,12 @@ DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collec
 # sample; no answerable NQ-open question of 200 is below 0.3); higher thresholds catch more NQ questions
 # whose answer was removed (0.4: 41%) but would refuse answerable questions of the sample.
 ABSTAIN_BELOW = 0.25
+
+
+def precompute_kv_by_default() -> bool:
+    """Whether `ldqa ingest` (and the demo) encode every new chunk's KV block at ingest time: when the
+    default attention mode reuses stored blocks, so the first question over new documents is warm too."""
+    return DEFAULT_ATTENTION.startswith("block")
 
 
 def repeats_itself(text: str, n: int = 4, below: float = 0.25) -> bool:
@@ -322,8 +335,9 @@ class LongDocQA:
         _check_question(question, top_k, retriever)
         return self.retriever.search(question, top_k=top_k, mode=retriever)
 
-    def ask(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
-            max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
+    def ask(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = "hybrid",
+            attention: str = DEFAULT_ATTENTION, max_new_tokens: int | None = None,
+            recompute_ratio: float | None = None, debias: str = DEFAULT_DEBIAS,
             block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
             debias_orders: int | None = None, debias_calibration: str | None = None,
             debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
@@ -334,8 +348,9 @@ class LongDocQA:
                            debias_calibration=debias_calibration, debias_strength=debias_strength,
                            abstain_below=abstain_below, **retrieval).result()
 
-    def stream(self, question: str, top_k: int = 5, retriever: str = "hybrid", attention: str = "full",
-               max_new_tokens: int | None = None, recompute_ratio: float | None = None, debias: str = "none",
+    def stream(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = "hybrid",
+               attention: str = DEFAULT_ATTENTION, max_new_tokens: int | None = None,
+               recompute_ratio: float | None = None, debias: str = DEFAULT_DEBIAS,
                block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
                debias_orders: int | None = None, debias_calibration: str | None = None,
                debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
@@ -410,8 +425,9 @@ class LongDocQA:
                 return self._abstention(question, passages, given, retrieval_ms, base, extra, t0)
         return self._answer_stream(question, passages, cfg, max_new_tokens, retrieval_ms, base, extra, t0)
 
-    def answer(self, question: str, passages: list, attention: str = "full", max_new_tokens: int | None = None,
-               recompute_ratio: float | None = None, debias: str = "none", block_headers: str | None = None,
+    def answer(self, question: str, passages: list, attention: str = DEFAULT_ATTENTION,
+               max_new_tokens: int | None = None, recompute_ratio: float | None = None,
+               debias: str = DEFAULT_DEBIAS, block_headers: str | None = None,
                instruction: str | None = None, answer_prefix: str = "", debias_orders: int | None = None,
                debias_calibration: str | None = None, debias_strength: float | None = None, **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].

@@ -42,8 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", choices=["flat", "hnsw"], default=None,
                    help="dense index: flat (exact, default for new stores) or hnsw (approximate)")
     p.add_argument("--json", action="store_true", help="print the IngestReport as JSON")
-    p.add_argument("--precompute-kv", action="store_true",
-                   help="also encode and store every new chunk's KV block (faster first questions in block modes)")
+    from ldqa.app.api import DEFAULT_ATTENTION, DEFAULT_DEBIAS, DEFAULT_TOP_K, precompute_kv_by_default
+
+    p.add_argument("--precompute-kv", action=argparse.BooleanOptionalAction, default=precompute_kv_by_default(),
+                   help="also encode and store every new chunk's KV block, so the first question over it is warm "
+                        "in block modes (default: "
+                        + ("on, the default attention is a block mode; about 19 MB of disk per 1K tokens with "
+                           "Gemma 3 270M" if precompute_kv_by_default() else "off, the default attention is full")
+                        + ")")
     from ldqa.app.ray_workers import add_arguments as add_ray_arguments
 
     add_ray_arguments(p)
@@ -60,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--answer-prefix", default="",
                            help="the start of the answer, put after 'Answer:'; the model continues it "
                                 "(e.g. 'The value is \"')")
-        p.add_argument("--top-k", type=int, default=5, help="passages given to the model (default 5)")
+        p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                       help=f"passages given to the model (default {DEFAULT_TOP_K})")
         p.add_argument("--retriever", choices=["hybrid", "dense", "bm25"], default="hybrid")
-        p.add_argument("--attention", choices=["full", "block", "block+recompute", "retrieval"], default="full",
-                       help="full: exact attention over the prompt; block: reuse stored per-passage KV states "
+        p.add_argument("--attention", choices=["full", "block", "block+recompute", "retrieval"],
+                       default=DEFAULT_ATTENTION,
+                       help=f"(default {DEFAULT_ATTENTION}, measured: README) full: exact attention over the prompt; block: reuse stored per-passage KV states "
                             "(RoPE re-encoded); block+recompute: block plus recomputing a fraction of tokens; "
                             "retrieval: exact prefill, then decode attends to sink + recent window + top-k keys "
                             "from an ANN index over the cached keys (RetrievalAttention)")
@@ -71,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="retrieval: keys retrieved per KV head per decode step (default 200)")
         p.add_argument("--window", type=int, default=None, help="retrieval: recent-window tokens (default 128)")
         p.add_argument("--sink", type=int, default=None, help="retrieval: attention-sink tokens (default 4)")
-        p.add_argument("--debias", choices=["none", "calibrate", "calibrate+reorder", "sort", "buckets"], default="none",
-                       help="position debiasing: calibrate (found-in-the-middle attention calibration), "
+        p.add_argument("--debias", choices=["none", "calibrate", "calibrate+reorder", "sort", "buckets"],
+                       default=DEFAULT_DEBIAS,
+                       help=f"(default {DEFAULT_DEBIAS}, measured: README) position debiasing: calibrate (found-in-the-middle attention calibration), "
                             "calibrate+reorder (also move relevant passages to well-attended slots), "
                             "sort (attention sorting), buckets (Attention Buckets: parallel branches with "
                             "different RoPE bases; full attention only)")
@@ -98,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--abstain-below", type=float, default=None,
                        help="say 'Not found in the documents.' without asking the model when no retrieved passage "
                             "reaches this dense cosine similarity (default 0.25, measured; 0 turns it off)")
+        if name == "demo":
+            p.add_argument("--no-compare", action="store_true",
+                           help="skip answering the questions again with full attention and no debiasing "
+                                "(printed side by side with the chosen setting's answers)")
         if name == "ask":
             p.add_argument("--save-settings", action="store_true",
                            help="keep --max-new-tokens with the collection: later asks and the web app start from it")
@@ -230,6 +243,7 @@ def print_answer_details(ans) -> None:
 def cmd_demo(args) -> int:
     import tempfile
 
+    from ldqa.app.api import precompute_kv_by_default
     from ldqa.eval.metrics import best_subspan_em
 
     if args.store is None:  # a throwaway collection, removed at the end (give --store DIR to keep it)
@@ -242,26 +256,57 @@ def cmd_demo(args) -> int:
     report = qa.ingest([SAMPLE_DIR / "docs"])
     for f in report.files:
         print(f"  {f.status:9s} {Path(f.path).name}: {f.chunks} chunks {f.reason}")
+    if args.attention.startswith("block") and precompute_kv_by_default():  # as `ldqa ingest` does by default
+        kv = qa.precompute_kv()
+        print(f"  KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
     questions = [json.loads(line) for line in (SAMPLE_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
+    setting = f"attention {args.attention}, debias {args.debias}"
+    kw = dict(top_k=args.top_k, retriever=args.retriever, max_new_tokens=args.max_new_tokens,
+              **_abstain_kw(args), **_retrieval_kw(args))
     correct = 0
     results = []
     for q in questions:
         print(f"\n== Q: {q['question']}")
-        ans = qa.ask(q["question"], top_k=args.top_k, retriever=args.retriever, attention=args.attention,
-                     max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
+        ans = qa.ask(q["question"], attention=args.attention, recompute_ratio=args.recompute_ratio,
                      debias=args.debias, block_headers=args.block_headers, debias_orders=args.debias_orders,
-                     debias_calibration=args.debias_calibration, debias_strength=args.debias_strength,
-                     **_abstain_kw(args), **_retrieval_kw(args))
+                     debias_calibration=args.debias_calibration, debias_strength=args.debias_strength, **kw)
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")
         print_answer_details(ans)
         results.append(ans.to_dict() | {"gold": q["answers"], "correct": ok})
-    print(f"\n== {int(correct)}/{len(questions)} answers contain the gold answer (best-subspan EM); model "
-          f"{qa.model_name}, weights {qa.weights}")
+    if (args.attention, args.debias) != ("full", "none") and not args.no_compare:
+        # the same questions with exact full attention and no debiasing, one line each beside the answers above
+        print(f"\n== the same questions: {setting} | full attention, no debiasing")
+        full_correct = 0
+        for q, r in zip(questions, results):
+            ans = qa.ask(q["question"], attention="full", debias="none", **kw)
+            ok = best_subspan_em(ans.text, q["answers"])
+            full_correct += ok
+            r["full_attention"] = {"text": ans.text, "correct": ok, "ttft_ms": ans.timings.get("ttft_ms"),
+                                   "total_ms": ans.timings.get("total_ms")}
+            print(f"  {_short(q['question'], 34)} | {_cell(r['text'], r['correct'], r['timings'])} "
+                  f"| {_cell(ans.text, ok, ans.timings)}")
+        print(f"  correct: {int(correct)}/{len(questions)} ({setting}) | {int(full_correct)}/{len(questions)} "
+              f"(full attention, no debiasing)")
+    print(f"\n== {int(correct)}/{len(questions)} answers contain the gold answer (best-subspan EM); "
+          f"{setting}; model {qa.model_name}, weights {qa.weights}")
     if args.json:
         print(json.dumps(results, indent=1, default=str))
     return 0
+
+
+def _short(text: str, n: int) -> str:
+    """`text` on one line, cut to n characters with an ellipsis."""
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _cell(text: str, ok: float, timings: dict) -> str:
+    """One answer in the demo's side-by-side line: correct or not, TTFT, total time, the answer's start."""
+    ttft = timings.get("ttft_ms")
+    when = f"TTFT {ttft / 1000:.1f} s, {timings['total_ms'] / 1000:.1f} s" if ttft is not None else "no model call"
+    return f"{'ok ' if ok else 'no '} {when}: {_short(text, 28):28s}"
 
 
 def cmd_eval(args) -> int:

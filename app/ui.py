@@ -26,7 +26,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from ldqa.app.api import ATTENTION_MODES, RETRIEVERS, LongDocQA
+from ldqa.app.api import ATTENTION_MODES, DEFAULT_ATTENTION, DEFAULT_DEBIAS, DEFAULT_TOP_K, RETRIEVERS, LongDocQA
 from ldqa.retrieval.loaders import SUPPORTED_EXTENSIONS
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
@@ -416,10 +416,10 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                     with gr.Column(scale=9):
                         with gr.Accordion("Settings", open=False):
                             model = gr.Dropdown(models, value=qa.model_name, label="Model")
-                            top_k = gr.Slider(1, 10, value=5, step=1, label="Passages (top_k)")
+                            top_k = gr.Slider(1, 10, value=DEFAULT_TOP_K, step=1, label="Passages (top_k)")
                             retriever = gr.Radio(list(RETRIEVERS), value="hybrid", label="Retriever")
-                            attention = gr.Dropdown(list(ATTENTION_MODES), value="full", label="Attention mode")
-                            debias = gr.Dropdown(list(DEBIAS_METHODS), value="none", label="Position debiasing")
+                            attention = gr.Dropdown(list(ATTENTION_MODES), value=DEFAULT_ATTENTION, label="Attention mode")
+                            debias = gr.Dropdown(list(DEBIAS_METHODS), value=DEFAULT_DEBIAS, label="Position debiasing")
                             max_new = gr.Slider(8, 256, value=cfg.max_new_tokens, step=8, label="Max new tokens")
                         passages = gr.Dataframe(headers=PASSAGE_HEADERS, label="Retrieved passages (click a row to read it)",
                                                 interactive=False, elem_id="ldqa-passages", max_height=360,

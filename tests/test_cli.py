@@ -91,3 +91,34 @@ def test_cli_calibration_choices_are_ldqas_forms():
     action = next(a for a in ask._actions if a.dest == "debias_calibration")
     assert tuple(action.choices) == CALIBRATION_FORMS
     assert ask.parse_args(["q?", "--debias-calibration", "pearson"]).debias_calibration == "pearson"
+
+
+def test_demo_prints_full_attention_beside_another_setting(tmp_path, tiny_model_dir):
+    """`ldqa demo` in a setting other than full/none answers the questions again with full attention and
+    no debiasing and prints one line per question with both answers; --no-compare skips it."""
+    model = tiny_model_dir("gemma3")
+    r = _ldqa("demo", "--model", model, "--max-new-tokens", "2", "--attention", "block", "--store", tmp_path / "s")
+    assert r.returncode == 0, r.stderr
+    side = r.stdout.split("== the same questions: attention block, debias none | full attention, no debiasing\n")
+    assert len(side) == 2, r.stdout
+    lines = side[1].splitlines()
+    n = len([ln for ln in (SAMPLE.parent / "questions.jsonl").read_text().splitlines() if ln.strip()])
+    assert all(ln.count(" | ") == 2 for ln in lines[:n]), lines[:n]
+    assert lines[n].startswith("  correct: ") and "(full attention, no debiasing)" in lines[n]
+    r = _ldqa("demo", "--model", model, "--max-new-tokens", "2", "--attention", "block", "--no-compare",
+              "--store", tmp_path / "s2")
+    assert r.returncode == 0, r.stderr
+    assert "== the same questions" not in r.stdout
+
+
+def test_ingest_precompute_default_follows_the_default_attention(monkeypatch):
+    from ldqa.app import api
+    from ldqa.app.cli import build_parser
+
+    for mode, expected in (("full", False), ("block", True)):
+        monkeypatch.setattr(api, "DEFAULT_ATTENTION", mode)
+        ap = build_parser()
+        assert ap.parse_args(["ingest", "x"]).precompute_kv is expected
+        assert ap.parse_args(["ingest", "x", "--precompute-kv"]).precompute_kv is True
+        assert ap.parse_args(["ingest", "x", "--no-precompute-kv"]).precompute_kv is False
+        assert ap.parse_args(["ask", "q?"]).attention == mode
