@@ -77,14 +77,17 @@ static inline __m256 block_dot256(const int8_t *w, const int16_t *xq) {
 }
 
 /* Software prefetch: every 64-byte line of weights is asked into L2 (_MM_HINT_T1) PF_AHEAD bytes before
- * it is read, once per weight row (by the first row of x). A prefetch past the end of the weights is
- * harmless (it never faults). Measured on the Zen 4 dev machine, one thread, M = 1 (issue 30):
- * ~0.86-0.95x the time for K = 640-2048 (Gemma 3 270M's matrices and head), ~0.5-0.6x for K = 10240, but
- * 0.95-1.2x for K = 2560-4096, where the hardware prefetcher alone already reads at the memory's pace.
- * -DPF_AHEAD=0 turns it into a no-op (prefetching the line being read) for comparisons. */
+ * it is read, once per weight row (by the first row of x), for K <= PF_MAX_K. A prefetch past the end of
+ * the weights is harmless (it never faults). Measured on the Zen 4 dev machine, one thread, M = 1, against
+ * no prefetch (issue 30): ~0.86-0.95x the time for K = 640-2048 (Gemma 3 270M's matrices and LM head),
+ * but 1.0-1.2x for K = 2560-4096, where the hardware prefetcher alone keeps up with memory. (K = 6912
+ * and 10240 measured 0.8x and 0.5-0.6x with it; left to the hardware too until measured on a quiet
+ * machine: one cut-off, never slower than without.)
+ * -DPF_AHEAD=0 makes it a no-op (prefetching the line being read) for comparisons. */
 #ifndef PF_AHEAD
 #define PF_AHEAD 16384
 #endif
+#define PF_MAX_K 2048
 
 /* one activation row against one weight row: two accumulators (even / odd blocks) hide the FMA latency;
  * pf: prefetch the weights PF_AHEAD bytes ahead (on the first row of x that reads this weight row) */
@@ -150,20 +153,20 @@ static inline void rows_dot512(const int8_t *wn, const int16_t *xr, int64_t K, c
 }
 
 /* y[:, n] for one output channel n: its weight row wn (K,) and scales dn (nb,) against every row of x;
- * c: room for (MT, nb) combined scales */
+ * pf: prefetch ahead of wn; c: room for (MT, nb) combined scales */
 static inline void channel512(const int8_t *wn, const uint16_t *dn, const int16_t *xq, const float *xd, int64_t M,
-                              int64_t K, int64_t N, float *c, float *yn) {
+                              int64_t K, int64_t N, int pf, float *c, float *yn) {
     const int64_t nb = K / QK;
     int64_t m = 0;
     for (; m + MT <= M; m += MT) {
         float out[MT];
         for (int j = 0; j < MT; j++) row_scales(dn, xd + (m + j) * nb, nb, c + j * nb);
-        rows_dot512(wn, xq + m * K, K, c, nb, m == 0, out);
+        rows_dot512(wn, xq + m * K, K, c, nb, pf && m == 0, out);
         for (int j = 0; j < MT; j++) yn[(m + j) * N] = out[j];
     }
     for (; m < M; m++) {
         row_scales(dn, xd + m * nb, nb, c);
-        yn[m * N] = row_dot512(wn, xq + m * K, c, nb, m == 0);
+        yn[m * N] = row_dot512(wn, xq + m * K, c, nb, pf && m == 0);
     }
 }
 #endif
@@ -182,19 +185,20 @@ int ldqa_q8_0_linear(const float *x, int64_t M, int64_t K, const int8_t *qw, con
         return 2;
     }
     quantize_x(x, M, K, xq, xd);
+    const int pf = K <= PF_MAX_K;
 #pragma omp parallel num_threads(threads)
     {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         float c[MT * MAX_BLOCKS]; /* (MT, nb): combined scales of one weight row against MT rows of x */
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) channel512(qw + n * K, d + n * nb, xq, xd, M, K, N, c, y + n);
+        for (int64_t n = 0; n < N; n++) channel512(qw + n * K, d + n * nb, xq, xd, M, K, N, pf, c, y + n);
 #else
         float c[MAX_BLOCKS]; /* (nb,): combined scales of one weight row against one row of x */
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++)
             for (int64_t m = 0; m < M; m++) {
                 row_scales(d + n * nb, xd + m * nb, nb, c);
-                y[m * N + n] = row_dot(qw + n * K, xq + m * K, c, nb, m == 0);
+                y[m * N + n] = row_dot(qw + n * K, xq + m * K, c, nb, pf && m == 0);
             }
 #endif
     }
