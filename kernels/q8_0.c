@@ -9,17 +9,19 @@
  *
  * Per block of 32: the int8 weights are widened to int16 and multiplied with the int16 activations
  * (exact integer sums; the rounded activations live in a scratch buffer of the call), converted to fp32
- * once and scaled by d_w * d_x in one FMA. Two builds of that loop, chosen at compile time (-march=native):
- *   AVX-512 (__AVX512F__ and __AVX512BW__): one block is one zmm: _mm512_cvtepi8_epi16 widens its 32
- *     weights, _mm512_madd_epi16 gives 16 int32 pair sums, then cvt + FMA (4 instructions per block). For
- *     M > 1, rows of x go MT = 4 at a time through a weight row, so each block is widened once for 4 rows.
- *   AVX2 (the fallback, e.g. -march=haswell): two ymm halves per block (7 instructions), one row of x at
- *     a time.
- * Both give the same integer block sums; only the fp32 summation order differs (fp32 rounding).
- * Measured on the Zen 4 dev machine (its 512-bit units run a zmm op as two 256-bit halves): for one row
- * of x (decode) both builds take the same time, ~0.8 ns per block from L1, and the product is bound by
- * reading the weights from memory (the software prefetch below is what helps there); for M >= 4 the
- * AVX-512 tile takes ~0.85x the time of the AVX2 loop. Output channels are read one row after another:
+ * once and scaled by d_w * d_x in one FMA:
+ *   one row of x at a time (decode, and the rows left over below): the AVX2 loop, two ymm halves per
+ *     block (_mm256_cvtepi8_epi16, _mm256_madd_epi16; 7 instructions per block), two accumulators (even /
+ *     odd blocks) per output;
+ *   with AVX-512 (__AVX512F__ and __AVX512BW__), rows of x MT = 4 at a time: one block is one zmm
+ *     (_mm512_cvtepi8_epi16, _mm512_madd_epi16, cvt, FMA: 4 instructions per block and row), widened once
+ *     for the 4 rows.
+ * Both give the same integer block sums; the 4-row tile sums them in fp32 in another order (16 lanes, one
+ * accumulator per row): fp32 rounding. One row is bit for bit what it was before the tile existed.
+ * Measured on the Zen 4 dev machine (its 512-bit units run a zmm op as two 256-bit halves; issue 30): for
+ * one row of x a zmm loop took the same time as the AVX2 one (~0.8 ns per block from L1; a decode row is
+ * bound by reading the weights, where only the prefetch below helps), so decode keeps the AVX2 loop; for
+ * M >= 4 the 4-row tile takes ~0.8x the time. Output channels are read one weight row after another:
  * interleaving 4 weight rows (to share the activation loads) ran ~3x slower from memory.
  * Parallel over output channels (OpenMP, `threads` threads; torch's libgomp is already loaded in the
  * process, so the pool is the one torch's own ops use). For M > 1 a weight row is read from memory once and
@@ -106,7 +108,7 @@ static inline float row_dot(const int8_t *wn, const int16_t *xr, const float *c,
 #define MAX_BLOCKS 2048 /* K <= 65536 input channels */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define MT 4 /* rows of x per pass over a weight row (M > 1) */
+#define MT 4 /* rows of x per pass over a weight row (M >= 4) */
 
 /* the block's 32 int8 weights at w, widened to 32 int16 (one zmm) */
 static inline __m512i widen512(const int8_t *w) {
@@ -117,20 +119,6 @@ static inline __m512i widen512(const int8_t *w) {
 static inline __m512 block_fma512(__m512i wb, const int16_t *xb, float c, __m512 acc) {
     const __m512i p = _mm512_madd_epi16(wb, _mm512_loadu_si512((const void *)xb)); /* |lane| <= 2 * 127 * 32767 */
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(c), acc);
-}
-
-/* row_dot's AVX-512 build: one activation row xr (K,) against one weight row wn (K,), c (nb,) the
- * combined scales; two accumulators (even / odd blocks) */
-static inline float row_dot512(const int8_t *wn, const int16_t *xr, const float *c, int64_t nb, int pf) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        if (pf) _mm_prefetch((const char *)(wn + b * QK + PF_AHEAD), _MM_HINT_T1);
-        a0 = block_fma512(widen512(wn + b * QK), xr + b * QK, c[b], a0);
-        a1 = block_fma512(widen512(wn + (b + 1) * QK), xr + (b + 1) * QK, c[b + 1], a1);
-    }
-    if (b < nb) a0 = block_fma512(widen512(wn + b * QK), xr + b * QK, c[b], a0);
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
 /* MT activation rows xr (MT, K) against one weight row wn (K,): each block is widened once for the MT
@@ -166,7 +154,7 @@ static inline void channel512(const int8_t *wn, const uint16_t *dn, const int16_
     }
     for (; m < M; m++) {
         row_scales(dn, xd + m * nb, nb, c);
-        yn[m * N] = row_dot512(wn, xq + m * K, c, nb, pf && m == 0);
+        yn[m * N] = row_dot(wn, xq + m * K, c, nb, pf && m == 0); /* the AVX2 loop: as fast for one row */
     }
 }
 #endif

@@ -57,9 +57,10 @@ def test_kernel_matches_reference_and_fp32(n, k, m):
 
 @pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
 def test_avx2_build_agrees_with_the_native_build(tmp_path):
-    # q8_0.c picks its AVX-512 or AVX2 loop at compile time; the AVX2 one (the fallback of machines
-    # without AVX-512) is built here too (-mno-avx512f) and compared with the native build: the same integer
-    # block sums, so fp32 rounding only (on an AVX2-only machine both builds are the AVX2 loop)
+    # q8_0.c's AVX-512 4-row tile (M >= 4) is chosen at compile time; the AVX2-only build (the fallback of
+    # machines without AVX-512) is built here too (-mno-avx512f) and compared with the native build: the
+    # same integer block sums, so fp32 rounding only; a single row goes through the same AVX2 loop in both
+    # builds, bit for bit
     assert C.available(), C.unavailable_reason()
     cmd = [C._compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC"]
     lib = ctypes.CDLL(str(C._compile(cmd, tmp_path / "q8_0-avx2.so")))
@@ -74,6 +75,8 @@ def test_avx2_build_agrees_with_the_native_build(tmp_path):
         for threads in (1, 2):
             assert fn(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), n, avx2.data_ptr(), threads) == 0
             assert float((avx2 - native).abs().max()) <= 1e-5 * float(native.abs().max()), (n, k, m, threads)
+            if m < 4:
+                assert torch.equal(avx2, native), (n, k, m, threads)
 
 
 def test_extreme_values_do_not_overflow():
