@@ -10,8 +10,10 @@ of the model's bytes) this way, so keeping the layout keeps those weights exactl
 Why a kernel of our own: for one decode row, PyTorch's packed int8 op (`_weight_int8pack_mm`) reads weights
 at ~6 GB/s on one core of the dev machine, which made int8 decode 0.46x llama.cpp's (docs/results.md, issue
 30); no aten or torchao op reads group-wise int8 on the CPU. The kernel widens the int8 weights to int16
-and multiplies them with the activations rounded to int16 per block of 32 (`_mm256_madd_epi16`): every
-block's integer dot product is exact, then scaled once by d_w * d_x in fp32. The activation rounding is
+and multiplies them with the activations rounded to int16 per block of 32 (`madd_epi16`: AVX2 for one row
+of x; 4 rows at a time with AVX-512 where the compiler targets it; the header of `q8_0.c` says what each
+does and what it measured): every block's integer dot product is exact, then scaled once by d_w * d_x in
+fp32. The activation rounding is
 at most 2^-16 of the block's largest value (bf16, which the aten paths use, rounds at 2^-9). llama.cpp's
 Q8_0 path rounds activations to int8 instead.
 
@@ -222,8 +224,8 @@ def linear_q8_0(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
 
     x: (M, K) float32 (other float dtypes are cast); qweight: (N, K) int8 contiguous; scales: (N, K/32)
     float16 contiguous -> y: (M, N) float32. Runs on torch.get_num_threads() threads. Cost: each weight row
-    is read from memory once and widened again per row of x, so it is meant for few rows (decode);
-    prefill dequantizes instead.
+    is read from memory once and widened again per row of x (per 4 rows in the AVX-512 build), so it is
+    meant for few rows (decode); prefill dequantizes instead.
     Raises ValueError when K is not a multiple of 32 or the shapes disagree.
     """
     m, k = x.shape

@@ -7,8 +7,22 @@
  *   d  (N, K / 32) uint16      fp16 bit patterns: w[n, k] = d[n, k / 32] * qw[n, k]
  *   y  (M, N) float32
  *
- * Per block of 32: the int8 weights are widened to int16 and multiplied with the int16 activations by
- * _mm256_madd_epi16 (exact integer sums; the rounded activations live in a scratch buffer of the call), converted to fp32 once and scaled by d_w * d_x in one FMA.
+ * Per block of 32: the int8 weights are widened to int16 and multiplied with the int16 activations
+ * (exact integer sums; the rounded activations live in a scratch buffer of the call), converted to fp32
+ * once and scaled by d_w * d_x in one FMA:
+ *   one row of x at a time (decode, and the rows left over below): the AVX2 loop, two ymm halves per
+ *     block (_mm256_cvtepi8_epi16, _mm256_madd_epi16; 7 instructions per block), two accumulators (even /
+ *     odd blocks) per output;
+ *   with AVX-512 (__AVX512F__ and __AVX512BW__), rows of x MT = 4 at a time: one block is one zmm
+ *     (_mm512_cvtepi8_epi16, _mm512_madd_epi16, cvt, FMA: 4 instructions per block and row), widened once
+ *     for the 4 rows.
+ * Both give the same integer block sums; the 4-row tile sums them in fp32 in another order (16 lanes, one
+ * accumulator per row): fp32 rounding. One row is bit for bit what it was before the tile existed.
+ * Measured on the Zen 4 dev machine (its 512-bit units run a zmm op as two 256-bit halves; issue 30): for
+ * one row of x a zmm loop took the same time as the AVX2 one (~0.8 ns per block from L1; a decode row is
+ * bound by reading the weights, where only the prefetch below helps), so decode keeps the AVX2 loop; for
+ * M >= 4 the 4-row tile takes ~0.8x the time. Output channels are read one weight row after another:
+ * interleaving 4 weight rows (to share the activation loads) ran ~3x slower from memory.
  * Parallel over output channels (OpenMP, `threads` threads; torch's libgomp is already loaded in the
  * process, so the pool is the one torch's own ops use). For M > 1 a weight row is read from memory once and
  * from L1 for the other rows of x.
@@ -64,11 +78,26 @@ static inline __m256 block_dot256(const int8_t *w, const int16_t *xq) {
     return block_dot(w0, w1, xq);
 }
 
-/* one activation row against one weight row: two accumulators (even / odd blocks) hide the FMA latency */
-static inline float row_dot(const int8_t *wn, const int16_t *xr, const float *c, int64_t nb) {
+/* Software prefetch: every 64-byte line of weights is asked into L2 (_MM_HINT_T1) PF_AHEAD bytes before
+ * it is read, once per weight row (by the first row of x), for K <= PF_MAX_K. A prefetch past the end of
+ * the weights is harmless (it never faults). Measured on the Zen 4 dev machine, one thread, M = 1, against
+ * no prefetch (issue 30): ~0.86-0.95x the time for K = 640-2048 (Gemma 3 270M's matrices and LM head),
+ * but 1.0-1.2x for K = 2560-4096, where the hardware prefetcher alone keeps up with memory. (K = 6912
+ * and 10240 measured 0.8x and 0.5-0.6x with it; left to the hardware too until measured on a quiet
+ * machine: one cut-off, never slower than without.)
+ * -DPF_AHEAD=0 makes it a no-op (prefetching the line being read) for comparisons. */
+#ifndef PF_AHEAD
+#define PF_AHEAD 16384
+#endif
+#define PF_MAX_K 2048
+
+/* one activation row against one weight row: two accumulators (even / odd blocks) hide the FMA latency;
+ * pf: prefetch the weights PF_AHEAD bytes ahead (on the first row of x that reads this weight row) */
+static inline float row_dot(const int8_t *wn, const int16_t *xr, const float *c, int64_t nb, int pf) {
     __m256 acc_e = _mm256_setzero_ps(), acc_o = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
+        if (pf) _mm_prefetch((const char *)(wn + b * QK + PF_AHEAD), _MM_HINT_T1);
         acc_e = _mm256_fmadd_ps(block_dot256(wn + b * QK, xr + b * QK), _mm256_broadcast_ss(c + b), acc_e);
         acc_o = _mm256_fmadd_ps(block_dot256(wn + (b + 1) * QK, xr + (b + 1) * QK), _mm256_broadcast_ss(c + b + 1), acc_o);
     }
@@ -78,6 +107,60 @@ static inline float row_dot(const int8_t *wn, const int16_t *xr, const float *c,
 
 #define MAX_BLOCKS 2048 /* K <= 65536 input channels */
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define MT 4 /* rows of x per pass over a weight row (M >= 4) */
+
+/* the block's 32 int8 weights at w, widened to 32 int16 (one zmm) */
+static inline __m512i widen512(const int8_t *w) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w));
+}
+
+/* acc + (block sum of wb . the 32 int16 activations at xb, as 16 exact int32 pair sums in fp32) * c */
+static inline __m512 block_fma512(__m512i wb, const int16_t *xb, float c, __m512 acc) {
+    const __m512i p = _mm512_madd_epi16(wb, _mm512_loadu_si512((const void *)xb)); /* |lane| <= 2 * 127 * 32767 */
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(c), acc);
+}
+
+/* MT activation rows xr (MT, K) against one weight row wn (K,): each block is widened once for the MT
+ * rows; c (MT, nb) the combined scales; y[j] = row j's dot product */
+static inline void rows_dot512(const int8_t *wn, const int16_t *xr, int64_t K, const float *c, int64_t nb, int pf,
+                               float *y) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (pf && !(b & 1)) _mm_prefetch((const char *)(wn + b * QK + PF_AHEAD), _MM_HINT_T1); /* per 64 bytes */
+        const __m512i wb = widen512(wn + b * QK); /* (32,) int16 */
+        a0 = block_fma512(wb, xr + b * QK, c[b], a0);
+        a1 = block_fma512(wb, xr + K + b * QK, c[nb + b], a1);
+        a2 = block_fma512(wb, xr + 2 * K + b * QK, c[2 * nb + b], a2);
+        a3 = block_fma512(wb, xr + 3 * K + b * QK, c[3 * nb + b], a3);
+    }
+    y[0] = _mm512_reduce_add_ps(a0);
+    y[1] = _mm512_reduce_add_ps(a1);
+    y[2] = _mm512_reduce_add_ps(a2);
+    y[3] = _mm512_reduce_add_ps(a3);
+}
+
+/* y[:, n] for one output channel n: its weight row wn (K,) and scales dn (nb,) against every row of x;
+ * pf: prefetch ahead of wn; c: room for (MT, nb) combined scales */
+static inline void channel512(const int8_t *wn, const uint16_t *dn, const int16_t *xq, const float *xd, int64_t M,
+                              int64_t K, int64_t N, int pf, float *c, float *yn) {
+    const int64_t nb = K / QK;
+    int64_t m = 0;
+    for (; m + MT <= M; m += MT) {
+        float out[MT];
+        for (int j = 0; j < MT; j++) row_scales(dn, xd + (m + j) * nb, nb, c + j * nb);
+        rows_dot512(wn, xq + m * K, K, c, nb, pf && m == 0, out);
+        for (int j = 0; j < MT; j++) yn[(m + j) * N] = out[j];
+    }
+    for (; m < M; m++) {
+        row_scales(dn, xd + m * nb, nb, c);
+        yn[m * N] = row_dot(wn, xq + m * K, c, nb, pf && m == 0); /* the AVX2 loop: as fast for one row */
+    }
+}
+#endif
+
+/* y (M, N) = x (M, K) W^T with W = (qw (N, K) int8, d (N, K / 32) fp16 bits), on `threads` threads.
+ * Returns 0, 1 for a K that is not a multiple of 32 or above 65536, 2 for no memory. */
 int ldqa_q8_0_linear(const float *x, int64_t M, int64_t K, const int8_t *qw, const uint16_t *d, int64_t N,
                      float *y, int threads) {
     if (K % QK || K / QK > MAX_BLOCKS) return 1;
@@ -90,15 +173,22 @@ int ldqa_q8_0_linear(const float *x, int64_t M, int64_t K, const int8_t *qw, con
         return 2;
     }
     quantize_x(x, M, K, xq, xd);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *wn = qw + n * K;
-        const uint16_t *dn = d + n * nb;
-        float c[MAX_BLOCKS];
-        for (int64_t m = 0; m < M; m++) {
-            row_scales(dn, xd + m * nb, nb, c);
-            y[m * N + n] = row_dot(wn, xq + m * K, c, nb);
-        }
+    const int pf = K <= PF_MAX_K;
+#pragma omp parallel num_threads(threads)
+    {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        float c[MT * MAX_BLOCKS]; /* (MT, nb): combined scales of one weight row against MT rows of x */
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) channel512(qw + n * K, d + n * nb, xq, xd, M, K, N, pf, c, y + n);
+#else
+        float c[MAX_BLOCKS]; /* (nb,): combined scales of one weight row against one row of x */
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t m = 0; m < M; m++) {
+                row_scales(d + n * nb, xd + m * nb, nb, c);
+                y[m * N + n] = row_dot(qw + n * K, xq + m * K, c, nb, pf && m == 0);
+            }
+#endif
     }
     free(xq);
     free(xd);

@@ -1,6 +1,7 @@
 """The q8_0 weight format's CPU kernel (kernels/q8_0.c via kernels/cpu_linear.py) against its torch
 reference and against an fp32 product; GGUF Q8_0 round trips; the fallbacks when it cannot be built."""
 
+import ctypes
 import platform
 
 import numpy as np
@@ -35,8 +36,10 @@ def test_kernel_builds_on_this_machine():
     assert C.available(), C.unavailable_reason()
 
 
+# odd block counts (K / 32 = 1, 3, 5, 7), N of no particular multiple, M around the AVX-512 build's 4-row
+# tile (1, 3, 4, 5, 8, 17, 33)
 @pytest.mark.parametrize("n,k,m", [(1, 32, 1), (37, 64, 1), (300, 640, 1), (300, 640, 3), (129, 96, 5),
-                                   (64, 2048, 33)])
+                                   (64, 2048, 33), (37, 224, 17), (13, 160, 4), (1, 32, 17), (31, 320, 8)])
 def test_kernel_matches_reference_and_fp32(n, k, m):
     q, d = _q8(n, k, seed=n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -52,14 +55,38 @@ def test_kernel_matches_reference_and_fp32(n, k, m):
     assert float((y.double() - exact).abs().max()) <= 2e-4 * scale
 
 
+@pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
+def test_avx2_build_agrees_with_the_native_build(tmp_path):
+    # q8_0.c's AVX-512 4-row tile (M >= 4) is chosen at compile time; the AVX2-only build (the fallback of
+    # machines without AVX-512) is built here too (-mno-avx512f) and compared with the native build: the
+    # same integer block sums, so fp32 rounding only; a single row goes through the same AVX2 loop in both
+    # builds, bit for bit
+    assert C.available(), C.unavailable_reason()
+    cmd = [C._compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC"]
+    lib = ctypes.CDLL(str(C._compile(cmd, tmp_path / "q8_0-avx2.so")))
+    fn = lib.ldqa_q8_0_linear
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    for n, k, m in [(37, 224, 1), (37, 224, 17), (6, 96, 3), (129, 640, 5), (1, 32, 4)]:
+        q, d = _q8(n, k, seed=n * k + m)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        native = C.linear_q8_0(x, q, d)
+        avx2 = torch.empty(m, n)
+        for threads in (1, 2):
+            assert fn(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), n, avx2.data_ptr(), threads) == 0
+            assert float((avx2 - native).abs().max()) <= 1e-5 * float(native.abs().max()), (n, k, m, threads)
+            if m < 4:
+                assert torch.equal(avx2, native), (n, k, m, threads)
+
+
 def test_extreme_values_do_not_overflow():
     # every weight +-127 and every activation at its block's maximum: the largest integer block sums
     k, n = 640, 16
     q = torch.full((n, k), 127, dtype=torch.int8)
     q[1::2] = -127
     d = torch.full((n, k // 32), 0.5, dtype=torch.float16)
-    x = torch.full((2, k), 1e4)
-    x[1] = -3e-3
+    x = torch.full((5, k), 1e4)  # 5 rows: one 4-row tile of the AVX-512 build, then one row alone
+    x[1], x[2], x[4] = -3e-3, -1e4, -2.5
     y = C.linear_q8_0(x, q, d)
     want = x.double() @ C.dequantize_q8_0(q, d).double().t()
     assert torch.allclose(y.double(), want, rtol=1e-5)
