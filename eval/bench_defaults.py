@@ -185,11 +185,28 @@ def config_of(label: str) -> str:
 
 
 def _rows(out: Path, part: str) -> list[dict] | None:
-    """The part's harness rows, each "mode" rewritten as its `config_of`."""
-    path = out / part / "results.json"
+    """The part's answered rows, each "mode" rewritten as its `config_of`: read from the harness's
+    prediction cache, so a part stopped halfway is summarized with what it has (its results.json is only
+    written when the run ends). Rows of one settings hash: the one with the most rows, if a part's
+    directory holds several (another model, seed, ...; a warning names the count left out)."""
+    import sqlite3
+
+    path = out / part / "predictions.sqlite"
     if not path.exists():
         return None
-    return [r | {"mode": config_of(r["mode"])} for r in json.loads(path.read_text())["rows"]]
+    db = sqlite3.connect(str(path))
+    try:
+        counts = db.execute("SELECT config, count(*) FROM predictions GROUP BY config ORDER BY 2 DESC").fetchall()
+        if not counts:
+            return None
+        if len(counts) > 1:
+            print(f"bench_defaults: {path}: rows of {len(counts)} settings; summarizing the {counts[0][1]} of "
+                  f"the largest, leaving out {sum(c for _, c in counts[1:])}", file=sys.stderr)
+        rows = [json.loads(r) for (r,) in db.execute("SELECT row FROM predictions WHERE config=? "
+                                                     "ORDER BY created_at", (counts[0][0],))]
+    finally:
+        db.close()
+    return [r | {"mode": config_of(r["mode"])} for r in rows]
 
 
 def paired(rows: list[dict], a: str, b: str, key) -> dict | None:
@@ -333,7 +350,7 @@ def markdown(result: dict) -> str:
         head = ["config", "n", "EM" if nq else "F1", "vs full/none (SE)"] + \
             ([f"@{q}" for q in pos] + ["spread"] if nq else ["best-subspan EM", "EM vs full/none", "gold in retrieved",
                                                            "abstained", "at 64-token cap", "TTFT cold ms",
-                                                           "TTFT warm ms"]) + ["median total ms"]
+                                                           "TTFT warm ms", "median total ms"])
         lines += [f"### {p}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for c, s in t.items():
             cells = [c, str(s["n"]), _f(s["accuracy"]), _d(s["vs_baseline"])]
@@ -341,9 +358,13 @@ def markdown(result: dict) -> str:
                 cells += [_f(s["by_position"][q]) for q in pos] + [_f(s["spread"] * 100, "{:.1f}")]
             else:
                 cells += [_f(s["em"]), _d(s["em_vs_baseline"]), _f(s["gold_in_retrieved"]), str(s["abstained"]),
-                          str(s["at_cap"]), _f(s["ttft_cold_ms"], "{:,.0f}"), _f(s["ttft_warm_ms"], "{:,.0f}")]
-            cells.append(_f(s["total_ms"], "{:,.0f}"))
+                          str(s["at_cap"]), _f(s["ttft_cold_ms"], "{:,.0f}"), _f(s["ttft_warm_ms"], "{:,.0f}"),
+                          _f(s["total_ms"], "{:,.0f}")]
             lines.append("| " + " | ".join(cells) + " |")
+        if nq:  # the configurations of one prompt share its exact prefill (PrefillMemo): no time column
+            lines += ["", "(No times: the configurations answer each prompt one after the other and reuse its exact "
+                      "prefill and stored blocks, so their times are not comparable here; see the pg parts and the "
+                      "session.)"]
         lines.append("")
     if result["session"]:
         ing = result["session_ingest"]

@@ -133,6 +133,10 @@ class EvalConfig:
         benchmark) and writes the cache. Needs the ``ray`` extra.
     workers : Ray actors (None: one per CPU slot Ray reports, divided by threads_per_worker).
     threads_per_worker : torch threads (and Ray CPUs) of each actor.
+    chunk_tokens, overlap_tokens : jsonl with a retriever: the chunking of each record's collection, in
+        LLM tokens (None: `LongDocQA`'s defaults, 256 and 32).
+    abstain_below : jsonl with a retriever: `ask`'s abstention threshold (dense cosine; 0 turns it off;
+        None: ldqa's default `ABSTAIN_BELOW`).
     """
 
     benchmark: str
@@ -160,6 +164,9 @@ class EvalConfig:
     ray: str | None = None
     workers: int | None = None
     threads_per_worker: int = 1
+    chunk_tokens: int | None = None
+    overlap_tokens: int | None = None
+    abstain_below: float | None = None
 
 
 @dataclass(frozen=True)
@@ -297,7 +304,18 @@ def _validate(cfg: EvalConfig) -> list[Mode]:
     from ldqa.app.ray_workers import check_options
 
     check_options(cfg.ray, cfg.workers, cfg.threads_per_worker)
-    return parse_modes(cfg.modes, cfg.debias, cfg.retriever, cfg.benchmark)
+    modes = parse_modes(cfg.modes, cfg.debias, cfg.retriever, cfg.benchmark)
+    given = [n for n in ("chunk_tokens", "overlap_tokens", "abstain_below") if getattr(cfg, n) is not None]
+    if given and not any(m.collection for m in modes):
+        raise ValueError(f"--{given[0].replace('_', '-')} applies to jsonl answered over per-record collections: "
+                         "add --retriever hybrid (or dense, bm25)")
+    st = collection_settings(cfg)
+    if st["chunk_tokens"] < 1 or not 0 <= st["overlap_tokens"] < st["chunk_tokens"]:
+        raise ValueError(f"--chunk-tokens {st['chunk_tokens']} / --overlap-tokens {st['overlap_tokens']}: need "
+                         "chunk tokens >= 1 and 0 <= overlap < chunk tokens")
+    if not -1.0 <= st["abstain_below"] <= 1.0:
+        raise ValueError(f"--abstain-below {st['abstain_below']}: a cosine similarity, in -1..1 (0 turns it off)")
+    return modes
 
 
 # ------------------------------------------------------------------------------------------ examples
@@ -442,7 +460,7 @@ def _jsonl(cfg: EvalConfig, qa) -> list[dict]:
                     **({"length": r["length"]} if "length" in r else {}),
                     **({"context_tokens_cut": cut} if cfg.max_length is not None and whole else {}),
                     **({"skip_reason": skip} if skip else {}),
-                    **({"context_sha256": write_context(qa, r["context"])} if collections else {})})
+                    **({"context_sha256": write_context(qa, r["context"], cfg)} if collections else {})})
     return out
 
 
@@ -681,48 +699,55 @@ class ContextIndexError(ValueError):
     """A jsonl record's context could not be ingested as a collection (the message says why)."""
 
 
-def collection_settings() -> dict:
+def collection_settings(cfg: EvalConfig | None = None) -> dict:
     """What a per-record collection and its answers depend on besides the context and the run's
     settings: the chunking ldqa ingests with (`LongDocQA`'s chunk_tokens/overlap_tokens defaults, tokens of
-    the LLM's tokenizer), the embedding model, `ask`'s abstention threshold and `COLLECTION_FORMAT`. Part
-    of the collection directory's key and of the prediction cache key (`settings_hash`)."""
+    the LLM's tokenizer, or `cfg`'s), the embedding model, `ask`'s abstention threshold (`ABSTAIN_BELOW`
+    or `cfg.abstain_below`) and `COLLECTION_FORMAT`. Part of the collection directory's key and of the
+    prediction cache key (`mode_cache_key`); with none of `cfg`'s overrides set, the same dict (and keys)
+    as without `cfg`."""
     import inspect
 
     from ldqa.app.api import ABSTAIN_BELOW, LongDocQA
     from ldqa.retrieval.embedders import DEFAULT_MODEL
 
     params = inspect.signature(LongDocQA.__init__).parameters
-    return {"chunk_tokens": params["chunk_tokens"].default, "overlap_tokens": params["overlap_tokens"].default,
-            "embedder": DEFAULT_MODEL, "abstain_below": ABSTAIN_BELOW, "format": COLLECTION_FORMAT}
+    st = {"chunk_tokens": params["chunk_tokens"].default, "overlap_tokens": params["overlap_tokens"].default,
+          "embedder": DEFAULT_MODEL, "abstain_below": ABSTAIN_BELOW, "format": COLLECTION_FORMAT}
+    if cfg is not None:
+        st |= {k: getattr(cfg, k) for k in ("chunk_tokens", "overlap_tokens", "abstain_below")
+               if getattr(cfg, k) is not None}
+    return st
 
 
-def collection_dir(root: Path, context_sha256: str, model: str) -> Path:
+def collection_dir(root: Path, context_sha256: str, model: str, cfg: EvalConfig | None = None) -> Path:
     """The cached collection of the context whose sha256 (hex) is `context_sha256`, under `root`:
-    ``<sha[:16]>-<h>``, h a hash of `collection_settings()` and the tokenizer's model name `model` (chunk
-    sizes are counted in its tokens), so another chunking, embedder or tokenizer gets its own directory
-    and a rerun finds the same one."""
-    h = hashlib.sha256(json.dumps([collection_settings(), model], sort_keys=True).encode()).hexdigest()
+    ``<sha[:16]>-<h>``, h a hash of `collection_settings(cfg)` and the tokenizer's model name `model`
+    (chunk sizes are counted in its tokens), so another chunking, embedder or tokenizer gets its own
+    directory and a rerun finds the same one."""
+    h = hashlib.sha256(json.dumps([collection_settings(cfg), model], sort_keys=True).encode()).hexdigest()
     return Path(root) / f"{context_sha256[:16]}-{h[:8]}"
 
 
-def _context_file(qa, context_sha256: str) -> Path:
+def _context_file(qa, context_sha256: str, cfg: EvalConfig | None = None) -> Path:
     """Where `write_context` puts a context: ``Context.txt`` (the passages' title, as in the
     whole-context path) in its `collection_dir` under ``<qa's store>/../collections``."""
-    return collection_dir(qa.store.path.parent / "collections", context_sha256, qa.model_name) / "doc" / "Context.txt"
+    return collection_dir(qa.store.path.parent / "collections", context_sha256, qa.model_name, cfg) / "doc" / \
+        "Context.txt"
 
 
-def write_context(qa, context: str) -> str:
+def write_context(qa, context: str, cfg: EvalConfig | None = None) -> str:
     """Write `context` to its collection's ``Context.txt`` (`_context_file`) unless it is there already;
     returns its sha256 (hex), which the example carries instead of the text."""
     sha = hashlib.sha256(context.encode("utf-8")).hexdigest()
-    doc = _context_file(qa, sha)
+    doc = _context_file(qa, sha, cfg)
     doc.parent.mkdir(parents=True, exist_ok=True)
     if not doc.exists() or doc.read_text(encoding="utf-8") != context:
         doc.write_text(context, encoding="utf-8")
     return sha
 
 
-def open_collection(qa, context_sha256: str, max_new: int) -> tuple:
+def open_collection(qa, context_sha256: str, max_new: int, cfg: EvalConfig | None = None) -> tuple:
     """(LongDocQA over the collection of a context `write_context` wrote, build info): its
     ``Context.txt`` is ingested with ldqa's own chunker, embedder and store (same model, weights and KV
     dtype as `qa`, whose loaded models it shares); a collection built before skips it (nothing embedded).
@@ -731,8 +756,8 @@ def open_collection(qa, context_sha256: str, max_new: int) -> tuple:
     cannot be ingested (with the ingest result's reason)."""
     from ldqa.app.api import LongDocQA
 
-    st = collection_settings()
-    doc = _context_file(qa, context_sha256)
+    st = collection_settings(cfg)
+    doc = _context_file(qa, context_sha256, cfg)
     if not doc.is_file():
         raise ContextIndexError(f"{doc}: the record's context was not written (the jsonl builder writes it)")
     root = doc.parent.parent
@@ -779,11 +804,11 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
     row, error, text, t, warm, used, passages = {}, None, "", {}, None, mode.attention, []
     kw = {"recompute_ratio": cfg.recompute_ratio} if mode.attention == "block+recompute" else {}
     ask = dict(top_k=cfg.top_k, retriever=mode.retriever, attention=mode.attention, max_new_tokens=max_new,
-               debias=mode.debias, **kw)
+               debias=mode.debias, abstain_below=collection_settings(cfg)["abstain_below"], **kw)
     item = None
     with PeakMemory() as mem:
         try:
-            item, row = open_collection(qa, ex["context_sha256"], max_new)
+            item, row = open_collection(qa, ex["context_sha256"], max_new, cfg)
             item.kv_store.clear()  # cold: no block of this collection stored (another mode or run may have)
             item.warm_up()
             if mode.attention.startswith("block"):
@@ -868,18 +893,20 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int) -> str:
     return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
 
 
-def mode_cache_key(m: Mode, retrieval_config=None) -> str:
+def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None) -> str:
     """The cache key of mode `m`: `Mode.key`, and a hash of the settings its resolved `AttentionConfig`
     runs with where they have defaults that may change: for attention "retrieval" its `RetrievalConfig`
     (`RetrievalConfig()` unless given), for the calibrate methods their measurement orders, calibration
     form and strength. A changed default (e.g. `top_k_keys`) thus recomputes those answers instead of
     reading stale ones. The hashed dicts keep the shape they had before `AttentionConfig` (issue 32), so
     existing caches keep their keys (tests/test_cache_keys.py). A jsonl mode answered over per-record
-    collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings()` (chunking,
-    embedder, abstention threshold): its retriever is already in `Mode.key`, --top-k in `settings_hash`."""
+    collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings(cfg)`
+    (chunking, embedder, abstention threshold): its retriever is already in `Mode.key`, --top-k in
+    `settings_hash`."""
     key = _attention_key(m, retrieval_config)
     if m.collection:
-        key += "+collection#" + hashlib.sha256(json.dumps(collection_settings(), sort_keys=True).encode()).hexdigest()[:12]
+        st = collection_settings(cfg)
+        key += "+collection#" + hashlib.sha256(json.dumps(st, sort_keys=True).encode()).hexdigest()[:12]
     return key
 
 
@@ -936,7 +963,7 @@ def run(cfg: EvalConfig) -> dict:
     todo = []
     for ex in examples:
         for m in modes:
-            hit = cache.get(config, cfg.benchmark, mode_cache_key(m), ex["id"])
+            hit = cache.get(config, cfg.benchmark, mode_cache_key(m, cfg=cfg), ex["id"])
             if hit is not None:
                 rows[(ex["id"], m)] = hit
             else:
@@ -959,7 +986,7 @@ def run(cfg: EvalConfig) -> dict:
                 if len(errors) == 1:
                     print(f"\nldqa eval: {m.label} on {ex['id']}: error: {row['error']}", file=sys.stderr)
             else:
-                row["created_at"] = cache.put(config, cfg.benchmark, mode_cache_key(m), ex["id"], row)
+                row["created_at"] = cache.put(config, cfg.benchmark, mode_cache_key(m, cfg=cfg), ex["id"], row)
             rows[(ex["id"], m)] = row
             bar.update(1)
     except KeyboardInterrupt:
@@ -1177,6 +1204,14 @@ def add_arguments(p) -> None:
     p.add_argument("--recompute-ratio", type=float, default=None, help="block+recompute: fraction recomputed")
     p.add_argument("--max-length", type=int, default=None,
                    help="jsonl: cut each context's middle (LongBench) so prompt + answer budget fit this many tokens")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="jsonl with --retriever: chunk size of each record's collection, in LLM tokens (default 256)")
+    p.add_argument("--overlap-tokens", type=int, default=None,
+                   help="jsonl with --retriever: overlap between chunks, in LLM tokens (default 32)")
+    p.add_argument("--abstain-below", type=float, default=None,
+                   help="jsonl with --retriever: answer 'Not found in the documents.' without the model when no "
+                        "retrieved chunk reaches this dense cosine similarity, as `ldqa ask` (default 0.25; 0 "
+                        "turns it off)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     from ldqa.app.ray_workers import add_arguments as add_ray_arguments
 

@@ -54,8 +54,15 @@ def _rows(scores: dict[str, list[float]], part: str, total_ms: dict[str, float])
 
 
 def _write(out: Path, part: str, rows: list[dict]):
+    """The rows as the harness's prediction cache holds them (`PredictionCache`), one settings hash."""
+    from ldqa.eval.harness import PredictionCache
+
     (out / part).mkdir(parents=True)
-    (out / part / "results.json").write_text(json.dumps({"rows": rows}))
+    cache = PredictionCache(out / part / "predictions.sqlite")
+    for r in rows:
+        cache.put("h1", "b", r["mode"], r["example_id"], r)
+    cache.put("h0", "b", "full", "old", rows[0])  # another settings hash: left out
+    cache.close()
 
 
 def test_choice_is_accuracy_first_then_time(tmp_path):

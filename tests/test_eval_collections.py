@@ -91,6 +91,10 @@ def test_modes_and_cache_keys(data):
 
 @pytest.mark.parametrize("extra, match", [
     (["--retriever", "foo"], "--retriever: unknown retriever 'foo'"),
+    (["--chunk-tokens", "128"], "--chunk-tokens applies to jsonl answered over per-record collections"),
+    (["--abstain-below", "0"], "--abstain-below applies to jsonl answered over per-record collections"),
+    (["--retriever", "bm25", "--chunk-tokens", "64", "--overlap-tokens", "64"], "need chunk tokens >= 1 and 0 <= overlap"),
+    (["--retriever", "bm25", "--abstain-below", "2"], "--abstain-below 2.0: a cosine similarity"),
     (["--retriever", "bm25", "--top-k", "0"], "--top-k must be >= 1, got 0"),
     (["--retriever", "bm25", "--modes", "full,hf"], "--modes hf: the transformers reference"),
 ])
@@ -175,3 +179,30 @@ def test_resume_after_interruption(tmp_path, tiny_model_dir, data, monkeypatch):
     assert res["cached"] == 1 and res["computed"] == 1 and len(calls) == 2  # cold + warm ask of the second
     order = [RECORDS[i]["_id"] for i in harness._sample(2, EvalConfig("jsonl", str(data), limit=2))]
     assert [r["example_id"] for r in res["rows"]] == order
+
+
+def test_chunking_and_abstention_options(tmp_path, tiny_model_dir, data):
+    """--chunk-tokens/--overlap-tokens build other collections (their own directories and cache keys, more
+    chunks when smaller); --abstain-below reaches `ask` (1.0: every question refused without the model, 0:
+    never); the defaults keep the keys they had."""
+    cfg = EvalConfig("jsonl", str(data), retriever="bm25")
+    assert harness.collection_settings(cfg) == harness.collection_settings()
+    small = EvalConfig("jsonl", str(data), retriever="bm25", chunk_tokens=96, overlap_tokens=16)
+    assert harness.collection_settings(small)["chunk_tokens"] == 96
+    m = Mode("full", "none", "bm25", collection=True)
+    assert mode_cache_key(m, cfg=cfg) == mode_cache_key(m) != mode_cache_key(m, cfg=small)
+    assert harness.collection_dir(Path("/c"), "ab" * 32, "m", small) != harness.collection_dir(Path("/c"), "ab" * 32, "m")
+    model = tiny_model_dir("gemma3")
+    out = tmp_path / "o"
+    base = _run(data, out, model, "--retriever", "bm25", "--top-k", "1", "--abstain-below", "0")
+    chunked = _run(data, out, model, "--retriever", "bm25", "--top-k", "1", "--abstain-below", "0",
+                   "--chunk-tokens", "96", "--overlap-tokens", "16")
+    assert chunked["computed"] == 2  # another setting: answered anew, over other collections
+    for a, b in zip(base["rows"], chunked["rows"]):
+        assert b["collection_chunks"] > a["collection_chunks"] and not a["abstained"] and not b["abstained"]
+        (x, y), = _spans(b)
+        assert y - x < max(q - p for p, q in _spans(a))  # a smaller chunk
+    assert len(list((out / "collections").iterdir())) == 4
+    # (bm25 passages carry no dense score, so `ask` abstains only with a dense or hybrid retriever)
+    refused = _run(data, out, model, "--retriever", "hybrid", "--top-k", "1", "--abstain-below", "1")
+    assert refused["computed"] == 2 and all(r["abstained"] and r["ttft_ms"] is None for r in refused["rows"])
