@@ -773,6 +773,32 @@ def open_collection(qa, context_sha256: str, max_new: int, cfg: EvalConfig | Non
                   "collection_chunks": item.store.n_chunks()}
 
 
+class collection_lock:
+    """Exclusive lock (fcntl.flock on ``<collection>/.answer.lock``) held while one answer builds, empties
+    and asks a record's collection, so Ray workers answering other modes of the same record at the same
+    time neither ingest it twice nor empty its KV block store under each other's cold/warm measurement.
+    Blocks until free; where fcntl is missing (Windows) it locks nothing."""
+
+    def __init__(self, root: Path):
+        self.path = Path(root) / ".answer.lock"
+        self.f = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.path, "a")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.f is not None:
+            self.f.close()  # closing the file releases the lock
+            self.f = None
+
+
 def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> dict:
     """Answer jsonl example `ex` over its own collection (`open_collection`) with `LongDocQA.ask` (top
     --top-k chunks from `mode.retriever`, `mode`'s attention and debiasing, ask's abstention): the row of
@@ -796,7 +822,8 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
       "Not found in the documents." without the model (TTFT then None: no prefill happened).
 
     Error rows as in `answer_one` (NonFiniteLogitsError, PromptTooLongError, a context that cannot be
-    indexed)."""
+    indexed). The whole answer holds the record's `collection_lock` (Ray workers answering other modes of
+    the same record wait for it)."""
     from ldqa.app.prompt import PromptTooLongError
     from ldqa.attention.generate import NonFiniteLogitsError
     from ldqa.eval.metrics import answer_in_passages
@@ -806,7 +833,8 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
     ask = dict(top_k=cfg.top_k, retriever=mode.retriever, attention=mode.attention, max_new_tokens=max_new,
                debias=mode.debias, abstain_below=collection_settings(cfg)["abstain_below"], **kw)
     item = None
-    with PeakMemory() as mem:
+    root = _context_file(qa, ex["context_sha256"], cfg).parent.parent
+    with collection_lock(root), PeakMemory() as mem:
         try:
             item, row = open_collection(qa, ex["context_sha256"], max_new, cfg)
             item.kv_store.clear()  # cold: no block of this collection stored (another mode or run may have)

@@ -206,3 +206,30 @@ def test_chunking_and_abstention_options(tmp_path, tiny_model_dir, data):
     # (bm25 passages carry no dense score, so `ask` abstains only with a dense or hybrid retriever)
     refused = _run(data, out, model, "--retriever", "hybrid", "--top-k", "1", "--abstain-below", "1")
     assert refused["computed"] == 2 and all(r["abstained"] and r["ttft_ms"] is None for r in refused["rows"])
+
+
+def test_collection_lock_serializes_answers_over_one_record(tmp_path):
+    """Two answers over one record's collection (e.g. two Ray workers, two modes) take turns: the second
+    waits while the first holds the lock (flock: per open file, so two threads contend as processes do)."""
+    import threading
+    import time
+
+    events = []
+
+    def answer(name, hold):
+        with harness.collection_lock(tmp_path):
+            events.append(("start", name))
+            time.sleep(hold)
+            events.append(("end", name))
+
+    a = threading.Thread(target=answer, args=("a", 0.5))
+    a.start()
+    time.sleep(0.1)
+    b = threading.Thread(target=answer, args=("b", 0.0))
+    b.start()
+    a.join()
+    b.join()
+    assert events == [("start", "a"), ("end", "a"), ("start", "b"), ("end", "b")]
+    with harness.collection_lock(tmp_path / "other"):  # another record: its own lock, free
+        with harness.collection_lock(tmp_path / "third"):
+            pass
