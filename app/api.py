@@ -31,8 +31,12 @@ DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collec
 # first, then time to answer. `ldqa ingest` precomputes KV blocks by default when DEFAULT_ATTENTION is a
 # block mode (`precompute_kv_by_default`).
 DEFAULT_ATTENTION = "full"
-DEFAULT_DEBIAS = "none"
 DEFAULT_TOP_K = 5
+# debias=None means the measured best method of the attention mode (`default_debias`): found-in-the-middle
+# calibration with full attention, calibrate+reorder in block modes (issue 6 and the study), nothing with
+# retrieval attention (which cannot be debiased).
+DEFAULT_DEBIAS = {"full": "calibrate", "block": "calibrate+reorder", "block+recompute": "calibrate+reorder",
+                  "retrieval": "none"}
 # `ask` answers ABSTAIN_PHRASE without running the LLM when no retrieved passage reaches this dense cosine
 # similarity (MiniLM): the question is about nothing in the collection. Chosen by
 # `python -m ldqa.eval.bench_abstain --part retrieval` (docs/results.md, issue 31): midway between the
@@ -40,6 +44,12 @@ DEFAULT_TOP_K = 5
 # sample; no answerable NQ-open question of 200 is below 0.3); higher thresholds catch more NQ questions
 # whose answer was removed (0.4: 41%) but would refuse answerable questions of the sample.
 ABSTAIN_BELOW = 0.25
+
+
+def default_debias(attention: str) -> str:
+    """The debias method a question in attention mode `attention` gets when the caller names none
+    (`DEFAULT_DEBIAS`; "none" for a mode it does not list)."""
+    return DEFAULT_DEBIAS.get(attention, "none")
 
 
 def precompute_kv_by_default() -> bool:
@@ -337,7 +347,7 @@ class LongDocQA:
 
     def ask(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = "hybrid",
             attention: str = DEFAULT_ATTENTION, max_new_tokens: int | None = None,
-            recompute_ratio: float | None = None, debias: str = DEFAULT_DEBIAS,
+            recompute_ratio: float | None = None, debias: str | None = None,
             block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
             debias_orders: int | None = None, debias_calibration: str | None = None,
             debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
@@ -350,7 +360,7 @@ class LongDocQA:
 
     def stream(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = "hybrid",
                attention: str = DEFAULT_ATTENTION, max_new_tokens: int | None = None,
-               recompute_ratio: float | None = None, debias: str = DEFAULT_DEBIAS,
+               recompute_ratio: float | None = None, debias: str | None = None,
                block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
                debias_orders: int | None = None, debias_calibration: str | None = None,
                debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
@@ -369,7 +379,9 @@ class LongDocQA:
         estimation zone for the keys not retrieved) of `ldqa.attention.retrieval_attention.RetrievalConfig`).
         debias: "none", "calibrate" (found-in-the-middle calibrated attention intervention),
         "calibrate+reorder" (also move the most relevant passages to the best-attended slots) or "sort"
-        (attention sorting); see `ldqa.attention.debias` (not with attention="retrieval").
+        (attention sorting); see `ldqa.attention.debias` (not with attention="retrieval"). None (the
+        default): the mode's measured best, `default_debias(attention)` ("calibrate" with full attention,
+        "calibrate+reorder" in block modes, "none" with retrieval attention; docs/results.md, issue 34).
         debias_orders: passage orders the two calibrate methods measure attention in: 1 (the given
         order) or 2 (also reversed; each passage's calibrated relevance averaged over its two slots);
         default `ldqa.attention.debias.MEASURE_ORDERS` (2 in block modes: one more re-assembly from
@@ -405,6 +417,7 @@ class LongDocQA:
 
         _check_question(question, top_k, retriever)
         check_prompt_options(instruction, answer_prefix)
+        debias = default_debias(attention) if debias is None else debias
         given = AttentionConfig.from_kwargs(attention, recompute_ratio, block_headers, debias, debias_orders,
                                             debias_calibration, debias_strength, **retrieval)
         cfg = given.resolved()
@@ -427,7 +440,7 @@ class LongDocQA:
 
     def answer(self, question: str, passages: list, attention: str = DEFAULT_ATTENTION,
                max_new_tokens: int | None = None, recompute_ratio: float | None = None,
-               debias: str = DEFAULT_DEBIAS, block_headers: str | None = None,
+               debias: str | None = None, block_headers: str | None = None,
                instruction: str | None = None, answer_prefix: str = "", debias_orders: int | None = None,
                debias_calibration: str | None = None, debias_strength: float | None = None, **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
@@ -435,8 +448,8 @@ class LongDocQA:
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
         `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
         passages without a chunk_id are stored but not tied to a document. `attention` and the retrieval
-        settings, `instruction`, `answer_prefix`, `debias_orders`, `debias_calibration` and
-        `debias_strength` as in `stream`. Raises ValueError (empty question or passages, a bad setting),
+        settings, `debias` (None: `default_debias(attention)`), `instruction`, `answer_prefix`,
+        `debias_orders`, `debias_calibration` and `debias_strength` as in `stream`. Raises ValueError (empty question or passages, a bad setting),
         NonFiniteLogitsError when the model's logits hold NaN/inf.
         """
         if not isinstance(question, str) or not question.strip():
@@ -445,6 +458,7 @@ class LongDocQA:
             raise ValueError("passages is empty: give at least one passage")
         from ldqa.attention.engine import AttentionConfig
 
+        debias = default_debias(attention) if debias is None else debias
         cfg = AttentionConfig.from_kwargs(attention, recompute_ratio, block_headers, debias, debias_orders,
                                           debias_calibration, debias_strength, **retrieval)
         check_prompt_options(instruction, answer_prefix)

@@ -80,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--window", type=int, default=None, help="retrieval: recent-window tokens (default 128)")
         p.add_argument("--sink", type=int, default=None, help="retrieval: attention-sink tokens (default 4)")
         p.add_argument("--debias", choices=["none", "calibrate", "calibrate+reorder", "sort", "buckets"],
-                       default=DEFAULT_DEBIAS,
-                       help=f"(default {DEFAULT_DEBIAS}, measured: README) position debiasing: calibrate (found-in-the-middle attention calibration), "
+                       default=None,
+                       help="(default: the attention mode's measured best, "
+                            + ", ".join(f"{m}: {d}" for m, d in DEFAULT_DEBIAS.items())
+                            + "; README) position debiasing: calibrate (found-in-the-middle attention calibration), "
                             "calibrate+reorder (also move relevant passages to well-attended slots), "
                             "sort (attention sorting), buckets (Attention Buckets: parallel branches with "
                             "different RoPE bases; full attention only)")
@@ -243,7 +245,7 @@ def print_answer_details(ans) -> None:
 def cmd_demo(args) -> int:
     import tempfile
 
-    from ldqa.app.api import precompute_kv_by_default
+    from ldqa.app.api import default_debias, precompute_kv_by_default
     from ldqa.eval.metrics import best_subspan_em
 
     if args.store is None:  # a throwaway collection, removed at the end (give --store DIR to keep it)
@@ -260,6 +262,7 @@ def cmd_demo(args) -> int:
         kv = qa.precompute_kv()
         print(f"  KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
     questions = [json.loads(line) for line in (SAMPLE_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
+    args.debias = default_debias(args.attention) if args.debias is None else args.debias
     setting = f"attention {args.attention}, debias {args.debias}"
     kw = dict(top_k=args.top_k, retriever=args.retriever, max_new_tokens=args.max_new_tokens,
               **_abstain_kw(args), **_retrieval_kw(args))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from ldqa.app.api import ATTENTION_MODES, DEFAULT_ATTENTION, DEFAULT_DEBIAS, DEFAULT_TOP_K, RETRIEVERS, LongDocQA
+from ldqa.app.api import ATTENTION_MODES, DEFAULT_ATTENTION, DEFAULT_TOP_K, RETRIEVERS, LongDocQA, default_debias
 from ldqa.retrieval.loaders import SUPPORTED_EXTENSIONS
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
@@ -170,7 +170,7 @@ class Server:
         yield history, "", gr.skip(), gr.skip(), gr.skip()
         try:
             stream = self.qa_for(model).stream(q, top_k=int(top_k), retriever=retriever, attention=attention,
-                                               debias=debias, max_new_tokens=int(max_new))
+                                               debias=_debias(debias), max_new_tokens=int(max_new))
         except Exception as e:  # empty collection, bad setting, model that cannot load: say so in the chat
             history[-1] = {"role": "assistant", "content": _ask_error(e)}
             yield history, gr.skip(), gr.skip(), gr.skip(), gr.skip()
@@ -334,6 +334,15 @@ def show_passage(records, evt: gr.SelectData):
 
 # ---------------------------------------------------------------------- eval
 
+DEFAULT_CHOICE = "default (the mode's measured best)"
+
+
+def _debias(choice: str | None) -> str | None:
+    """The debias dropdown's value as the API takes it: None for `DEFAULT_CHOICE` (`default_debias` of the
+    attention mode: calibrate with full attention, calibrate+reorder in block modes, none with retrieval)."""
+    return None if choice in (None, DEFAULT_CHOICE) else choice
+
+
 def run_eval(model, attention, debias, lengths, depths, compare_full, store_dir, progress=gr.Progress(track_tqdm=True)):
     """Needle in a haystack over the bundled sample's text (ldqa.eval.harness, benchmark "niah") on the
     Chat settings; returns (summary markdown, NIAH heatmap, TTFT plot)."""
@@ -346,6 +355,7 @@ def run_eval(model, attention, debias, lengths, depths, compare_full, store_dir,
     from ldqa.attention.debias import DebiasConfig
     from ldqa.attention.engine import AttentionConfig
 
+    debias = _debias(debias) or default_debias(attention)
     try:  # the combination rules of AttentionConfig (debiasing not with retrieval, buckets only with full)
         AttentionConfig(attention, debias=DebiasConfig(debias)).resolved()
     except ValueError as e:
@@ -419,7 +429,8 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                             top_k = gr.Slider(1, 10, value=DEFAULT_TOP_K, step=1, label="Passages (top_k)")
                             retriever = gr.Radio(list(RETRIEVERS), value="hybrid", label="Retriever")
                             attention = gr.Dropdown(list(ATTENTION_MODES), value=DEFAULT_ATTENTION, label="Attention mode")
-                            debias = gr.Dropdown(list(DEBIAS_METHODS), value=DEFAULT_DEBIAS, label="Position debiasing")
+                            debias = gr.Dropdown([DEFAULT_CHOICE, *DEBIAS_METHODS], value=DEFAULT_CHOICE,
+                                                 label="Position debiasing")
                             max_new = gr.Slider(8, 256, value=cfg.max_new_tokens, step=8, label="Max new tokens")
                         passages = gr.Dataframe(headers=PASSAGE_HEADERS, label="Retrieved passages (click a row to read it)",
                                                 interactive=False, elem_id="ldqa-passages", max_height=360,

@@ -13,13 +13,17 @@ attention. With k = 3 and two examples:
 The irrelevant passages are cut from calibration text the caller passes in (`Calibration.texts`: ldqa's
 app gives its bundled sample documents) and the questions are our own (`CALIBRATION_QUESTIONS`). A curve
 is computed once per (model fingerprint, k, attention mode, n_examples, seed) and cached on disk
-(`bias_cache_path`, a JSON file written atomically).
+(`bias_cache_path`, a JSON file written atomically). Curves of the default model in its default weights
+ship with the package (`BUNDLED`, written by ``python -m ldqa.eval.bundle_bias_curves``): estimating one
+takes 10-60 s on a 2-core CPU (k = 1-5, full attention), which the first debiased question of a new user
+would otherwise pay.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,16 +102,31 @@ def bias_cache_path(root: Path, fingerprint: str, k: int, mode: str, n_examples:
     return root / "debias" / f"{fingerprint[:16]}-k{k}-{safe}-n{n_examples}-s{seed}.json"
 
 
-def load_or_estimate_bias(path: Path, estimate) -> torch.Tensor:
-    """Read a cached bias curve (JSON) or compute it with `estimate()` and store it atomically."""
+BUNDLED = Path(__file__).resolve().parent / "bias_curves.json"
+
+
+def bundled_curves(path: Path = BUNDLED) -> dict[str, list[float]]:
+    """The bias curves shipped with ldqa: {cache file stem (`bias_cache_path`): curve}; {} when the file
+    is missing or unreadable (the curves are then estimated as for any other model)."""
+    try:
+        return json.loads(Path(path).read_text())["curves"]
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("bundled bias curves %s unreadable (%s): curves will be estimated", path, e)
+        return {}
+
+
+def load_or_estimate_bias(path: Path, estimate, bundled: Path | None = BUNDLED) -> torch.Tensor:
+    """A bias curve: the cached one at `path` (JSON), else the `bundled` one of the same name (copied to
+    `path`), else `estimate()`; a new curve is stored at `path` atomically."""
     if path.exists():
         try:
             return torch.tensor(json.loads(path.read_text())["bias"])
         except (ValueError, KeyError) as e:
             log.warning("bias cache %s unreadable (%s): recomputing", path, e)
-    bias = estimate()
+    shipped = bundled_curves(bundled).get(path.stem) if bundled is not None else None
+    bias = torch.tensor(shipped) if shipped is not None else estimate()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per process: two estimating at once never mix
     tmp.write_text(json.dumps({"bias": bias.tolist()}))
     tmp.replace(path)
     return bias

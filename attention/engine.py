@@ -23,6 +23,7 @@ back to full attention when its RoPE self-check failed). Debias methods: "none",
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -260,14 +261,10 @@ class Engine:
         than 1 in a block mode (stored blocks carry the model's base), RuntimeError without calibration
         text."""
         from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO
-        from ldqa.attention.loader import cache_root
 
-        if theta_scale != 1.0 and attention != "full":
-            raise ValueError(f"theta_scale={theta_scale} needs attention='full', not {attention!r}")
+        path = self.bias_curve_path(k, attention, n_examples, seed, block_headers, theta_scale)
         # every block+recompute curve is measured at the default ratio (one curve per mode, not per ratio)
         block = BlockConfig(DEFAULT_RECOMPUTE_RATIO, block_headers or DEFAULT_HEADERS)
-        path = bias_cache_path(cache_root(), self.llm.fingerprint, k, curve_key(attention, block.headers, theta_scale),
-                               n_examples, seed)
         cal = self.calibration
 
         def estimate():
@@ -281,6 +278,19 @@ class Engine:
             return estimate_bias(measure, self.llm.tokenizer, k, texts, n_examples, seed)
 
         return load_or_estimate_bias(path, estimate)
+
+    def bias_curve_path(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
+                        block_headers: str | None = None, theta_scale: float = 1.0) -> Path:
+        """Where `bias_curve` caches the curve of these arguments (`bias_cache_path` under the cache root;
+        its file stem is the curve's name among the bundled ones). Raises ValueError for a theta_scale
+        other than 1 in a block mode."""
+        from ldqa.attention.block_attention import DEFAULT_HEADERS
+        from ldqa.attention.loader import cache_root
+
+        if theta_scale != 1.0 and attention != "full":
+            raise ValueError(f"theta_scale={theta_scale} needs attention='full', not {attention!r}")
+        return bias_cache_path(cache_root(), self.llm.fingerprint, k,
+                               curve_key(attention, block_headers or DEFAULT_HEADERS, theta_scale), n_examples, seed)
 
     def clear_memo(self) -> None:
         """Forget the kept exact prefills (the next ones are computed; diagnostics timing prefills)."""

@@ -224,6 +224,21 @@ def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int
         return _LOADED[key]
 
 
+def weights_fingerprint(source_fingerprint: str, weights: str, group_size: int = DEFAULT_GROUP_SIZE) -> str:
+    """The fingerprint of a model in a weight format (`LoadedModel.fingerprint`): the source's sha256 for
+    fp32, else sha256("<source sha>:<weights>:<group_size>") (group_size: int4's; the default otherwise)."""
+    if weights == "fp32":
+        return source_fingerprint
+    gs = group_size if weights == "int4" else DEFAULT_GROUP_SIZE
+    return hashlib.sha256(f"{source_fingerprint}:{weights}:{gs}".encode()).hexdigest()
+
+
+def model_fingerprint(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int = DEFAULT_GROUP_SIZE) -> str:
+    """`LoadedModel.fingerprint` of model `name` in `weights` without loading it (hashes the source file
+    or directory; errors as `load_model`)."""
+    return weights_fingerprint(_source(name).fingerprint, weights, group_size)
+
+
 def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedModel:
     src = _source(name)
     if src.kind == "hf" and weights in ("fp32", "bf16"):  # a dtype cast of the source: nothing to cache
@@ -237,8 +252,7 @@ def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedMode
         fuse_decode(model)
     model.model_name = name  # error messages of the runtime (generate.NonFiniteLogitsError) name it
     tok = Tokenizer(_auto_tokenizer(src.meta_dir), src.cfg.eos_token_ids)
-    fp = src.fingerprint if weights == "fp32" else hashlib.sha256(
-        f"{src.fingerprint}:{weights}:{group_size}".encode()).hexdigest()
+    fp = weights_fingerprint(src.fingerprint, weights, group_size)
     return LoadedModel(name, model, tok, fp, str(src.path), str(src.meta_dir), weights, group_size, kv_dtype)
 
 

@@ -163,24 +163,25 @@ def test_real_gemma_answers_a_sample_question(tmp_path):
 
 
 def test_block_modes_reuse_stored_kv_and_match_full_at_ratio_one(tiny_qa, tmp_path):
+    """Block reuse itself, without debiasing (debias="none"; the defaults debias every mode)."""
     docs = _copy_sample(tmp_path / "docs")
     tiny_qa.ingest([docs])
     q = "According to service bulletin SB-2024-07, what torque for each fan hub bolt?"
-    full = tiny_qa.ask(q, top_k=3)
+    full = tiny_qa.ask(q, top_k=3, debias="none")
     assert full.timings["tokens_reused"] == 0
-    cold = tiny_qa.ask(q, top_k=3, attention="block")
+    cold = tiny_qa.ask(q, top_k=3, debias="none", attention="block")
     assert cold.timings["kv_misses"] == 3 and cold.timings["kv_hits"] == 0
-    warm = tiny_qa.ask(q, top_k=3, attention="block")
+    warm = tiny_qa.ask(q, top_k=3, debias="none", attention="block")
     assert warm.timings["kv_hits"] == 3 and warm.timings["tokens_reused"] > 100
     assert warm.text == cold.text  # the stored blocks (fp16) give the same greedy answer here
     assert warm.settings["block_headers"] == "cached" and warm.timings["header_tokens_reused"] > 0
     assert warm.timings["tokens_computed"] < warm.timings["prompt_tokens"] - warm.timings["tokens_reused"]
-    fresh = tiny_qa.ask(q, top_k=3, attention="block", block_headers="fresh")
+    fresh = tiny_qa.ask(q, top_k=3, debias="none", attention="block", block_headers="fresh")
     assert fresh.settings["block_headers"] == "fresh" and fresh.timings["header_tokens_reused"] == 0
     assert fresh.timings["tokens_computed"] == warm.timings["tokens_computed"] + warm.timings["header_tokens_reused"]
     with pytest.raises(ValueError, match="block_headers"):
-        tiny_qa.ask(q, top_k=3, attention="block", block_headers="sometimes")
-    exact = tiny_qa.ask(q, top_k=3, attention="block+recompute", recompute_ratio=1.0)
+        tiny_qa.ask(q, top_k=3, debias="none", attention="block", block_headers="sometimes")
+    exact = tiny_qa.ask(q, top_k=3, debias="none", attention="block+recompute", recompute_ratio=1.0)
     assert exact.text == full.text and exact.timings["tokens_reused"] == 0
 
 
@@ -190,7 +191,7 @@ def test_precompute_kv_fills_the_store_and_replacement_drops_blocks(tiny_qa, tmp
     kv = tiny_qa.precompute_kv([f.doc_id for f in report.files])
     assert kv["blocks"] == tiny_qa.store.n_chunks() == kv["computed"]
     assert tiny_qa.kv_store.stats.entries_on_disk == kv["blocks"]
-    ans = tiny_qa.ask("What is the maximum load of the chamber?", top_k=2, attention="block")
+    ans = tiny_qa.ask("What is the maximum load of the chamber?", top_k=2, attention="block", debias="none")
     assert ans.timings["kv_hits"] == 2 and ans.timings["kv_misses"] == 0
     log = docs / "maintenance_log.txt"
     n_old = tiny_qa.store.get_document_by_path(str(log.resolve()))["n_chunks"]
@@ -212,7 +213,7 @@ def test_same_bytes_twice_in_one_batch_is_stored_once(tiny_qa, tmp_path):
 def test_retrieval_attention_mode_matches_full_with_all_keys_and_reports_keys_touched(tiny_qa, tmp_path):
     tiny_qa.ingest([_copy_sample(tmp_path / "docs")])
     q = "According to service bulletin SB-2024-07, what torque for each fan hub bolt?"
-    full = tiny_qa.ask(q, top_k=4)
+    full = tiny_qa.ask(q, top_k=4, debias="none")  # retrieval attention is never debiased
     every = tiny_qa.ask(q, top_k=4, attention="retrieval", top_k_keys="all", window=16, min_indexed=16)
     assert every.text == full.text and every.timings["retrieval_steps"] > 0
     some = tiny_qa.ask(q, top_k=4, attention="retrieval", top_k_keys=32, window=16, sink=4, min_indexed=16,

@@ -73,7 +73,7 @@ def record(model_dir: Path, tmp: Path) -> list[dict]:
         for attention, debias in (("full", "none"), ("block", "calibrate"), ("retrieval", "none")):
             a = qa.ask("How much does the SL-30 Pro model cost?", top_k=3, attention=attention, debias=debias)
             rows.append(_row(a, api="ask", attention=attention, debias=debias, kw={}, question="cost"))
-        a = qa.ask("Who won the football world cup in 1954?", top_k=2)  # off-topic: abstains
+        a = qa.ask("Who won the football world cup in 1954?", top_k=2, debias="none")  # off-topic: abstains
         rows.append(_row(a, api="ask", attention="full", debias="none", kw={}, question="off-topic"))
         qa.store.close()
     finally:

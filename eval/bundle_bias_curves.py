@@ -1,0 +1,80 @@
+"""Write the bias curves ldqa ships (`ldqa.attention.bias_curve.BUNDLED`): the default model in its default
+weights, full attention (the default mode's debiasing, `calibrate`), k = 1..10 passages (the web app's
+top_k range), so a new user's first debiased question does not spend 10-60 s estimating one.
+
+    python -m ldqa.eval.bundle_bias_curves                      # gemma3-270m, q8_0, full, k 1..10
+    python -m ldqa.eval.bundle_bias_curves --weights int8 --modes full,block --k 1-5
+
+Each curve is `LongDocQA.bias_curve` (found-in-the-middle calibration on the bundled sample, the same
+computation a user's machine would do; taken from this machine's cache when there) and is stored under
+its cache file's name, which holds the model fingerprint (source sha256 + weight format): a curve is only
+ever used for the exact weights it was measured on. Entries already in the file are kept (rerun with
+other options to add more); the file is rewritten atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+from ldqa.attention.bias_curve import BUNDLED
+
+
+def parse_ks(spec: str) -> list[int]:
+    """'1-10' or '1,2,5' -> sorted k values (each >= 1). Raises ValueError naming the spec."""
+    ks = set()
+    try:
+        for part in spec.split(","):
+            a, _, b = part.partition("-")
+            ks |= set(range(int(a), int(b or a) + 1))
+    except ValueError:
+        raise ValueError(f"--k {spec!r}: give numbers and ranges like 1-10 or 1,2,5") from None
+    if not ks or min(ks) < 1:
+        raise ValueError(f"--k {spec!r}: passage counts are >= 1")
+    return sorted(ks)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: ldqa's default model")
+    ap.add_argument("--weights", default=None, help="default: ldqa's default weight format")
+    ap.add_argument("--modes", default="full", help="comma-separated attention modes (full, block, block+recompute)")
+    ap.add_argument("--k", default="1-10", help="passage counts, e.g. 1-10 or 1,5")
+    ap.add_argument("--out", default=str(BUNDLED))
+    args = ap.parse_args(argv)
+    from pathlib import Path
+
+    from ldqa.app.api import LongDocQA
+
+    ks = parse_ks(args.k)
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.exists() else {}
+    curves, made = data.get("curves", {}), data.get("made_with", {})
+    with tempfile.TemporaryDirectory() as tmp:
+        qa = LongDocQA(store=tmp, model=args.model, weights=args.weights)
+        qa.warm_up()
+        for mode in args.modes.split(","):
+            for k in ks:
+                t0 = time.perf_counter()
+                name = qa.engine.bias_curve_path(k, mode).stem
+                curves[name] = qa.bias_curve(k, mode).tolist()
+                made[name] = {"model": qa.model_name, "weights": qa.weights, "attention": mode, "k": k,
+                              "n_examples": 16, "seed": 0}
+                print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        qa.store.close()
+        qa.kv_store.close()
+    data = {"about": "position-only attention bias curves (found-in-the-middle calibration) of ldqa's default "
+                     "model, by cache file name; written by python -m ldqa.eval.bundle_bias_curves",
+            "curves": dict(sorted(curves.items())), "made_with": dict(sorted(made.items()))}
+    tmp_out = out.with_suffix(".tmp")
+    tmp_out.write_text(json.dumps(data, indent=1) + "\n")
+    tmp_out.replace(out)
+    print(f"{len(curves)} curves in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
