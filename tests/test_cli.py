@@ -96,10 +96,14 @@ def test_cli_calibration_choices_are_ldqas_forms():
 def test_demo_prints_full_attention_beside_another_setting(tmp_path, tiny_model_dir):
     """`ldqa demo` in a setting other than full/none answers the questions again with full attention and
     no debiasing and prints one line per question with both answers; --no-compare skips it."""
+    from ldqa.app.api import DEFAULT_ATTENTION, default_debias
+
     model = tiny_model_dir("gemma3")
-    r = _ldqa("demo", "--model", model, "--max-new-tokens", "2", "--attention", "block", "--store", tmp_path / "s")
+    r = _ldqa("demo", "--model", model, "--max-new-tokens", "2", "--store", tmp_path / "s")  # the defaults
     assert r.returncode == 0, r.stderr
-    side = r.stdout.split("== the same questions: attention block, debias none | full attention, no debiasing\n")
+    setting = f"attention {DEFAULT_ATTENTION}, debias {default_debias(DEFAULT_ATTENTION)}"
+    assert setting != "attention full, debias none"  # the defaults differ from plain full attention
+    side = r.stdout.split(f"== the same questions: {setting} | full attention, no debiasing\n")
     assert len(side) == 2, r.stdout
     lines = side[1].splitlines()
     n = len([ln for ln in (SAMPLE.parent / "questions.jsonl").read_text().splitlines() if ln.strip()])
@@ -108,7 +112,7 @@ def test_demo_prints_full_attention_beside_another_setting(tmp_path, tiny_model_
     r = _ldqa("demo", "--model", model, "--max-new-tokens", "2", "--attention", "block", "--no-compare",
               "--store", tmp_path / "s2")
     assert r.returncode == 0, r.stderr
-    assert "== the same questions" not in r.stdout
+    assert "== the same questions" not in r.stdout and "attention block, debias calibrate+reorder;" in r.stdout
 
 
 def test_ingest_precompute_default_follows_the_default_attention(monkeypatch):
