@@ -67,3 +67,26 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     probe.write_text("import torch\n\ndef f():\n    from ldqa.app.api import LongDocQA\n    from ..eval import metrics\n"
                      "    import ldqa.indexes.store\n")
     assert ldqa_imports(probe, ("attention",)) == [(4, "app"), (5, "eval"), (6, "indexes")]
+
+
+def test_top_level_kernels_name_goes_to_the_installed_distribution():
+    """Run from the repository root (python -m puts it on sys.path), the folder `kernels/` is importable as a
+    top-level `kernels`, which shadows the Hugging Face distribution of that name that transformers >= 5.25
+    imports; the folder's __init__ hands the name over to the installed distribution when there is one, and
+    transformers' kernel integration imports either way."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import kernels, transformers.integrations.hub_kernels, ldqa.kernels.dispatch; "
+            "print(kernels.__file__)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = Path(r.stdout.strip().splitlines()[-1]).resolve()
+    try:
+        importlib.metadata.version("kernels")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    assert (root / "kernels" not in found.parents) == installed, (found, installed)
