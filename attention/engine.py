@@ -192,7 +192,8 @@ class Engine:
             from ldqa.attention.retrieval_attention import RetrievalKV
 
             out.policy = RetrievalKV(cfg.retrieval, model.cfg.attn_scale)
-        if debias.method == "none":
+        if debias.method == "none" or (not passages and debias.method != "buckets"):
+            # (no passage, nothing to measure or reorder: e.g. a bm25 search that matched no chunk)
             out.context = self.build_context(passages, build, mode, cfg.block, max_new, out.policy)
         elif debias.method == "buckets":
             from ldqa.attention.buckets import bucket_context

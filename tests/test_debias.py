@@ -476,3 +476,22 @@ def test_kv_cache_clone_is_independent():
     c.advance(2)
     assert torch.equal(d.keys(0), torch.ones(1, 1, 3, 4)) and torch.equal(d.values(1), torch.full((1, 1, 3, 4), 2.0))
     assert d.length == 3 and d.positions.tolist() == [0, 1, 2]
+
+
+
+def test_debiasing_a_question_without_passages_answers_it_plainly(tiny_model_dir, tmp_path):
+    """A retrieval that found nothing (bm25, no chunk shares a word with the question) leaves no passage to
+    measure: the calibrate and sort methods answer as without debiasing instead of failing."""
+    from pathlib import Path
+
+    from ldqa.app.api import LongDocQA
+
+    qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=4)
+    qa.ingest([Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"])
+    q = "Zyxwv qwertz?"
+    none = qa.ask(q, retriever="bm25", debias="none")
+    assert none.passages == []
+    for mode, method in (("full", "calibrate"), ("full", "calibrate+reorder"), ("full", "sort"),
+                         ("block", "calibrate+reorder")):
+        ans = qa.ask(q, retriever="bm25", attention=mode, debias=method)
+        assert ans.passages == [] and ans.text == none.text, (mode, method)
