@@ -62,14 +62,28 @@ def test_cli_errors_are_clear(tmp_path, tiny_model_dir):
 
 
 def test_generic_package_names_do_not_leak(tmp_path):
-    """transformers probes for a top-level `kernels` package; ours lives at ldqa.kernels only."""
+    """transformers probes for a top-level `kernels` package (and >= 5.25 installs the Hugging Face one);
+    ours lives at ldqa.kernels only, so outside the repository `kernels` and `eval` are never ours."""
+    import importlib.metadata
+
     code = ("import importlib.util, ldqa.kernels, ldqa.eval\n"
             "from transformers.utils import is_kernels_available\n"
-            "print(importlib.util.find_spec('kernels') is None, importlib.util.find_spec('eval') is None,"
-            " is_kernels_available())")
+            "for name in ('kernels', 'eval'):\n"
+            "    spec = importlib.util.find_spec(name)\n"
+            "    print(spec.origin if spec else None)\n"
+            "print(is_kernels_available())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True", "True", "False"]
+    kernels, eval_, available = r.stdout.split()[-3:]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        importlib.metadata.version("kernels")
+        hf_kernels = True
+    except importlib.metadata.PackageNotFoundError:
+        hf_kernels = False
+    assert eval_ == "None"
+    assert (kernels == "None") != hf_kernels and not kernels.startswith(str(root / "kernels"))
+    assert available == str(hf_kernels)
 
 
 def test_demo_without_store_removes_its_temporary_collection(tmp_path, tiny_model_dir):
