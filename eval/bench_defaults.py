@@ -47,6 +47,8 @@ import sys
 import time
 from pathlib import Path
 
+from ldqa.eval.harness import _median  # median of the values that are not None
+
 CONFIGS = ("full/none", "full/calibrate", "block/none", "block/calibrate+reorder",
            "block+recompute/calibrate+reorder")
 BASELINE = "full/none"
@@ -254,11 +256,6 @@ def part_summary(rows: list[dict], configs, part: str) -> dict:
                   "at_cap": sum((r.get("generated_tokens") or 0) >= 64 for r in rs)}
         out[c] = s
     return out
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def session_summary(session: dict) -> dict:

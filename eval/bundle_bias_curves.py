@@ -19,6 +19,7 @@ import json
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from ldqa.attention.bias_curve import BUNDLED
 
@@ -45,8 +46,6 @@ def main(argv=None) -> int:
     ap.add_argument("--k", default="1-10", help="passage counts, e.g. 1-10 or 1,5")
     ap.add_argument("--out", default=str(BUNDLED))
     args = ap.parse_args(argv)
-    from pathlib import Path
-
     from ldqa.app.api import LongDocQA
 
     ks = parse_ks(args.k)

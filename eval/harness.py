@@ -73,6 +73,7 @@ Ray gives the same rows and either resumes the other.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import hashlib
@@ -773,30 +774,22 @@ def open_collection(qa, context_sha256: str, max_new: int, cfg: EvalConfig | Non
                   "collection_chunks": item.store.n_chunks()}
 
 
-class collection_lock:
+@contextlib.contextmanager
+def collection_lock(root: Path):
     """Exclusive lock (fcntl.flock on ``<collection>/.answer.lock``) held while one answer builds, empties
     and asks a record's collection, so Ray workers answering other modes of the same record at the same
     time neither ingest it twice nor empty its KV block store under each other's cold/warm measurement.
     Blocks until free; where fcntl is missing (Windows) it locks nothing."""
-
-    def __init__(self, root: Path):
-        self.path = Path(root) / ".answer.lock"
-        self.f = None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:
-            return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(self.path, "a")
-        fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.f is not None:
-            self.f.close()  # closing the file releases the lock
-            self.f = None
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = Path(root) / ".answer.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:  # closing the file releases the lock
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> dict:
