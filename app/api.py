@@ -170,8 +170,8 @@ class LongDocQA:
     max_new_tokens : answer length cap (tokens); None = the collection's saved setting
         (`save_answer_settings`, kept in the store) or `DEFAULT_MAX_NEW_TOKENS` (64).
     kv_budget_mb : in-memory budget of the KV block store (MB); blocks also persist under <store>/kv.
-    weights : the LLM's weight format, "fp32" (reference), "bf16", "int8", "int4" or "q8_0" (weight-only
-        quantization, `ldqa.attention.quant`); None = $LDQA_WEIGHTS or `loader.default_weights()` (q8_0,
+    weights : the LLM's weight format, "fp32" (reference), "bf16", "int8", "int4", "q8_0" (weight-only
+        quantization, `ldqa.attention.quant`) or "gguf" (a GGUF model's own quantized blocks); None = $LDQA_WEIGHTS or `loader.default_weights()` (q8_0,
         or int8 where q8_0's CPU kernel cannot be built).
     kv_dtype : "fp32" (default) or "bf16", the in-memory KV cache's dtype.
 

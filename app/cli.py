@@ -24,7 +24,7 @@ def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
     p.add_argument("--model", default=None,
                    help="gemma3-270m (default), smollm2-135m, or a .gguf file or Hugging Face model directory "
                         "(config.json + *.safetensors) of a Llama, Qwen2/2.5, Qwen3 or Gemma 3 model")
-    p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0"], default=None,
+    p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0", "gguf"], default=None,
                    help="the LLM's weight format (default: $LDQA_WEIGHTS, else q8_0, or int8 where q8_0's CPU "
                         "kernel cannot be built; fp32 is the reference)")
     p.add_argument("--kv-dtype", choices=["fp32", "bf16"], default="fp32", help="in-memory KV cache dtype")

@@ -241,6 +241,9 @@ def model_fingerprint(name: str = DEFAULT_MODEL, weights: str = "fp32", group_si
 
 def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedModel:
     src = _source(name)
+    if weights == "gguf" and src.kind != "gguf":
+        raise WeightFormatError(f"weights='gguf' keeps a GGUF file's own quantized blocks, and {name} is a "
+                                "Hugging Face directory: use weights='q8_0' (the same kernel, 8.5 bits per weight)")
     if src.kind == "hf" and weights in ("fp32", "bf16"):  # a dtype cast of the source: nothing to cache
         model = _build_model(src.cfg, _convert(src, weights, group_size), src.path)
     else:
@@ -248,7 +251,7 @@ def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedMode
         model = _build_model(src.cfg, _read_cache(path), path)
     model.kv_dtype = KV_DTYPES[kv_dtype]
     model.weight_format = weights
-    if weights == "q8_0":  # decode each layer in two C calls (quant.FusedDecode); prefill is unchanged
+    if weights in ("q8_0", "gguf"):  # decode each layer in two C calls (quant.FusedDecode); prefill is unchanged
         fuse_decode(model)
     model.model_name = name  # error messages of the runtime (generate.NonFiniteLogitsError) name it
     tok = Tokenizer(_auto_tokenizer(src.meta_dir), src.cfg.eos_token_ids)
@@ -498,8 +501,13 @@ def _ensure_weights(src: _Source, weights: str, group_size: int) -> Path:
 
 def _convert(src: _Source, weights: str, group_size: int) -> dict[str, dict]:
     """{parameter name: portable tensors} of every weight of `src` in format `weights`, read and
-    converted tensor by tensor."""
-    return {name: quantize_rows(rows, weights, group_size, name) for name, rows in _iter_source(src)}
+    converted tensor by tensor. gguf: a GGUF tensor in a block type the kernel reads keeps its bytes
+    (`raw()`), the others are q8_0."""
+    out = {}
+    for name, rows, raw in _iter_source(src):
+        blocks = raw() if weights == "gguf" and raw is not None else None
+        out[name] = blocks if blocks is not None else quantize_rows(rows, weights, group_size, name)
+    return out
 
 
 def quantize_rows(rows, weights: str, group_size: int, name: str) -> dict:
@@ -518,7 +526,8 @@ _ROW_CHUNK = 1 << 14  # rows of a large matrix dequantized at a time (embedding:
 
 
 def _iter_source(src: _Source):
-    """(our parameter name, callable yielding float32 row chunks) for every weight of `src`."""
+    """(our parameter name, callable yielding float32 row chunks, callable giving the tensor's GGUF blocks
+    as gguf portable tensors or None) for every weight of `src`; the third is None for a HF directory."""
     if src.kind == "gguf":
         yield from _iter_gguf(src)
     else:
@@ -543,7 +552,7 @@ def _iter_hf(src: _Source):
                     for i in range(0, shape[0], _ROW_CHUNK):
                         yield sl[i:i + _ROW_CHUNK].float()
 
-                yield name, rows
+                yield name, rows, None
 
 
 def _iter_gguf(src: _Source):
@@ -585,7 +594,27 @@ def _iter_gguf(src: _Source):
                 w = processor.process(weights=w, name=t.name).weights
                 yield torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
-        yield name, rows
+        yield name, rows, (lambda t=t: _gguf_blocks(t, processor))
+
+
+def _gguf_blocks(t, processor) -> dict | None:
+    """The GGUF tensor `t`'s quantized bytes as gguf portable tensors ({"blocks" (N, row bytes) uint8,
+    "ggml_type"}), rows in the order transformers' processing gives the dequantized weight (Llama's q/k
+    un-permuted: a row permutation, found by processing the row indices); None when the kernel does not
+    read its block type, it is not a matrix, or the processing is not a row permutation."""
+    import numpy as np
+
+    ttype = int(t.tensor_type)
+    if ttype not in cpu_linear.GGUF_BLOCK_TYPES or t.data.ndim != 2 or len(t.shape) != 2:
+        return None
+    n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
+    if t.data.shape != (n, cpu_linear.gguf_row_bytes(ttype, k)):
+        return None
+    perm = np.asarray(processor.process(weights=np.arange(n, dtype=np.float32)[:, None], name=t.name).weights)
+    perm = perm.reshape(-1).astype(np.int64) if perm.size == n else None
+    if perm is None or not np.array_equal(np.sort(perm), np.arange(n)):
+        return None
+    return {"blocks": torch.from_numpy(np.ascontiguousarray(t.data[perm])), "ggml_type": torch.tensor(ttype)}
 
 
 def _read_cache(path: Path) -> dict[str, dict]:

@@ -21,6 +21,14 @@ weight-only matmul and returns the result in the input's dtype.
   dequantized bf16 GEMM for prefill rows; no aten or torchao op reads group-wise int8 on the CPU, and the
   packed int8 op is what held decode to 0.46x llama.cpp's.
 
+- gguf: a GGUF file's own quantized blocks, as shipped (issue 30): every matrix stored in a block type the
+  kernel reads (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K; `ldqa.kernels.cpu_linear.GGUF_BLOCK_TYPES`) keeps its
+  bytes, so the model computes with exactly the file's weights (the fp32 reference's, which dequantizes the
+  same bytes) and decode reads 4.5-6.6 bits per weight instead of q8_0's 8.5; Q8_0 tensors are q8_0 (the
+  same values), and tensors of other types (Q2_K, Q3_K, Q5_K, IQ*) are rounded to q8_0. Matmul: the same C
+  kernel for decode rows (`gguf_blocks.h`), a dequantized bf16 GEMM for prefill rows. Only a GGUF source
+  has blocks: a Hugging Face directory asked for gguf is refused (use q8_0).
+
 Why these aten ops and not torchao: they are what gpt-fast builds on and what torchao's int4 CPU layout
 calls underneath, they ship inside the pinned torch wheel (nothing more to install), and a layer here is
 a few lines around one op call. torchao would add a dependency whose CPU layouts change between releases.
@@ -42,7 +50,7 @@ from ldqa.kernels import cpu_linear
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "q8_0")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "q8_0", "gguf")
 Q8_BLOCK = 32  # input channels per q8_0 block (GGUF's QK8_0)
 DEFAULT_GROUP_SIZE = 64
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -82,8 +90,8 @@ def check_format(fmt: str, group_size: int = DEFAULT_GROUP_SIZE, device: str | t
     if fmt == "int4" and not int4_supported(device):
         raise WeightFormatError(f"weights='int4' needs torch's packed int4 matmul, which torch {torch.__version__} "
                                 f"lacks on {torch.device(device).type}: use weights='int8', 'bf16' or 'fp32'")
-    if fmt == "q8_0" and torch.device(device).type != "cpu":
-        raise WeightFormatError(f"weights='q8_0' runs on the CPU only: use weights='bf16' on {torch.device(device).type}")
+    if fmt in ("q8_0", "gguf") and torch.device(device).type != "cpu":
+        raise WeightFormatError(f"weights={fmt!r} runs on the CPU only: use weights='bf16' on {torch.device(device).type}")
     if fmt == "int8" and not int8_supported():
         raise WeightFormatError(f"weights='int8' needs torch's _weight_int8pack_mm, which torch "
                                 f"{torch.__version__} lacks: use weights='bf16' or 'fp32'")
@@ -200,6 +208,12 @@ class QLinear(nn.Module):
         elif fmt == "q8_0":
             m.register_buffer("qweight", t["qweight"].contiguous())  # (N, K) int8
             m.register_buffer("bscales", t["bscales"].to(torch.float16).contiguous())  # (N, K/32)
+        elif fmt == "gguf":
+            m.ggml_type = int(t["ggml_type"])
+            m.register_buffer("blocks", t["blocks"].contiguous())  # (N, row bytes) uint8
+            if m.blocks.shape != (out_features, cpu_linear.gguf_row_bytes(m.ggml_type, in_features)):  # or raises
+                raise ValueError(f"gguf blocks {tuple(m.blocks.shape)} do not hold a ({out_features}, {in_features}) "
+                                 f"{cpu_linear.GGUF_BLOCK_TYPES[m.ggml_type][0]} weight")
         else:
             q = unpack_int4(t["nibbles"]).to(torch.int32)  # (N, K)
             m.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
@@ -211,8 +225,10 @@ class QLinear(nn.Module):
 
     # -- compute
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "q8_0" and x.numel() < PREFILL_ROWS * self.in_features:  # decode: the fewest ops
-            y = cpu_linear.linear_q8_0(x.reshape(-1, self.in_features), self.qweight, self.bscales)  # (M, N) fp32
+        if self.fmt in ("q8_0", "gguf") and x.numel() < PREFILL_ROWS * self.in_features:  # decode: the fewest ops
+            x2 = x.reshape(-1, self.in_features)
+            y = (cpu_linear.linear_q8_0(x2, self.qweight, self.bscales) if self.fmt == "q8_0"
+                 else cpu_linear.linear_gguf(x2, self.blocks, self.ggml_type))  # (M, N) fp32
             if self.bias is not None:
                 y = y + self.bias
             y = y.view(*x.shape[:-1], self.out_features)
@@ -227,8 +243,8 @@ class QLinear(nn.Module):
             # many rows (prefill): the packed op is slower than dequantizing once and a bf16 GEMM
             w = self.qweight.to(torch.bfloat16) * self.scales[:, None]  # (N, K) bf16
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), w)
-        elif self.fmt == "q8_0":  # prefill rows (decode returned above)
-            w = cpu_linear.dequantize_q8_0(self.qweight, self.bscales, torch.bfloat16)  # (N, K) bf16
+        elif self.fmt in ("q8_0", "gguf"):  # prefill rows (decode returned above)
+            w = self.dequantized(torch.bfloat16)  # (N, K) bf16
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), w)
         elif self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
@@ -248,12 +264,16 @@ class QLinear(nn.Module):
             return dequantize_int8(self.qweight, self.scales.float(), dtype)
         if self.fmt == "q8_0":
             return cpu_linear.dequantize_q8_0(self.qweight, self.bscales, dtype)
+        if self.fmt == "gguf":
+            return cpu_linear.dequantize_gguf(self.blocks, self.ggml_type, self.in_features, dtype)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         wt = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_and_zeros)
         return wt.t().to(dtype)
 
     def extra_repr(self) -> str:
         gs = f", group_size={self.group_size}" if self.fmt == "int4" else ""
+        if self.fmt == "gguf":
+            gs = f", type={cpu_linear.GGUF_BLOCK_TYPES[self.ggml_type][0]}"
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}{gs}"
 
 
@@ -270,7 +290,9 @@ class QEmbedding(nn.Module):
         self.fmt = _portable_format(t)
         self.num_embeddings, self.embedding_dim = num_embeddings, dim
         for k, v in t.items():
-            if isinstance(v, torch.Tensor):
+            if k == "ggml_type":
+                self.ggml_type = int(v)
+            elif isinstance(v, torch.Tensor):
                 self.register_buffer(k, v)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -281,12 +303,16 @@ class QEmbedding(nn.Module):
             rows = dequantize_int8(self.qweight[flat], self.scales[flat].float())
         elif self.fmt == "q8_0":
             rows = cpu_linear.dequantize_q8_0(self.qweight[flat], self.bscales[flat])
+        elif self.fmt == "gguf":
+            rows = cpu_linear.dequantize_gguf(self.blocks[flat], self.ggml_type, self.embedding_dim)
         else:
             rows = dequantize_int4(self.nibbles[flat], self.scales[flat], self.zeros[flat])
         return rows.reshape(*tokens.shape, self.embedding_dim)
 
 
 def _portable_format(t: dict) -> str:
+    if "blocks" in t:
+        return "gguf"
     if "bscales" in t:
         return "q8_0"
     if "nibbles" in t:
@@ -301,8 +327,11 @@ def quantize_portable(w: torch.Tensor, fmt: str, group_size: int = DEFAULT_GROUP
     fp32/bf16 {"weight"}; int8 {"qweight" (N, K) int8, "scales" (N,) f32}; int4 {"nibbles" (N, K/2) uint8,
     "scales", "zeros" (N, K/g) f32, "group_size" 0-dim int}; q8_0 {"qweight" (N, K) int8, "bscales"
     (N, K/32) f16}. An int4 weight the op cannot take, or a q8_0 weight whose K is not a multiple of 32,
-    is int8."""
+    is int8. gguf keeps a GGUF file's blocks ({"blocks" (N, row bytes) uint8, "ggml_type" 0-dim int64}: the
+    loader's `gguf_portable`); a float weight asked for gguf has no blocks and is q8_0."""
     check_format(fmt, group_size)
+    if fmt == "gguf":
+        fmt = "q8_0"
     if fmt == "fp32":
         return {"weight": w.float().contiguous()}
     if fmt == "bf16":
@@ -337,9 +366,10 @@ def model_nbytes(model: nn.Module) -> int:
 
 # --------------------------------------------------------------------------- fused q8_0 decode
 class FusedDecode:
-    """One decoder layer's decode (one token of one sequence) in two calls of ldqa's q8_0 C kernel:
-    `attn_in` (input RMSNorm, q|k|v projection in one product, q/k norms, RoPE) and `attn_out` (o_proj,
-    the norms and residual adds, gate|up in one product, the activation, down_proj). Attention itself stays
+    """One decoder layer's decode (one token of one sequence) in two calls of ldqa's C kernel (q8_0 and
+    gguf weights, each matrix its own type): `attn_in` (input RMSNorm, the q, k, v projections in one
+    parallel loop, q/k norms, RoPE) and `attn_out` (o_proj, the norms and residual adds, gate and up in one
+    parallel loop, the activation, down_proj). Attention itself stays
     `Attention.attend` (KV cache, masks, the global layers' hooks), so every attention mode runs unchanged.
 
     Why: a decode step of Gemma 3 270M ran ~1,900 small torch ops (~100 per layer, a few µs each) around
@@ -347,18 +377,15 @@ class FusedDecode:
     issue 30). The arithmetic is the modules' (same formulas, fp32), not bit-identical: sums run in
     another order (tests/test_cpu_linear.py bounds the difference; greedy text compared in docs/results.md).
 
-    Building it concatenates q/k/v's and gate/up's quantized rows and re-points the modules' buffers at
-    views of the concatenation, so the weights are held once (prefill still uses the modules). It takes
+    It reads the modules' own weight buffers (held once; prefill uses the modules). It takes
     the norms' multipliers as they are then: a model whose weights are changed afterwards must be fused
     again (`fuse_decode`).
     """
 
     def __init__(self, layer: nn.Module, cfg):
         a, m = layer.self_attn, layer.mlp
-        self.wqkv, self.dqkv = _concat_rows([a.q_proj, a.k_proj, a.v_proj])
         biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
         self.bias = None if biases[0] is None else torch.cat(biases).float().contiguous()
-        self.wgu, self.dgu = _concat_rows([m.gate_proj, m.up_proj])
         if layer.sandwich:  # Gemma 3: x + n(o) -> h; h + n(mlp(n(h)))
             attn_norm, ff_norm = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
             ff_out_norm = layer.post_feedforward_layernorm
@@ -370,12 +397,13 @@ class FusedDecode:
 
         self.n_heads, self.n_kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.kernel = cpu_linear.DecodeLayer(
-            wqkv=self.wqkv, dqkv=self.dqkv, bias=self.bias, n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.d,
-            in_norm=mult(layer.input_layernorm), q_norm=mult(a.q_norm) if cfg.qk_norm else None,
-            k_norm=mult(a.k_norm) if cfg.qk_norm else None, wo=a.o_proj.qweight, dwo=a.o_proj.bscales,
-            attn_norm=mult(attn_norm), ff_norm=mult(ff_norm), ff_out_norm=mult(ff_out_norm), wgu=self.wgu,
-            dgu=self.dgu, wd=m.down_proj.qweight, dwd=m.down_proj.bscales,
-            act="silu" if cfg.hidden_act == "silu" else "gelu_tanh", eps=cfg.rms_norm_eps)
+            q=kernel_weight(a.q_proj), k=kernel_weight(a.k_proj), v=kernel_weight(a.v_proj), bias=self.bias,
+            n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.d, in_norm=mult(layer.input_layernorm),
+            q_norm=mult(a.q_norm) if cfg.qk_norm else None, k_norm=mult(a.k_norm) if cfg.qk_norm else None,
+            o=kernel_weight(a.o_proj), attn_norm=mult(attn_norm), ff_norm=mult(ff_norm),
+            ff_out_norm=mult(ff_out_norm), gate=kernel_weight(m.gate_proj), up=kernel_weight(m.up_proj),
+            down=kernel_weight(m.down_proj), act="silu" if cfg.hidden_act == "silu" else "gelu_tanh",
+            eps=cfg.rms_norm_eps)
 
     def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: (1, 1, hidden) float32; cos, sin: (1, head_dim) -> q (1, heads, 1, d), k, v (1, kv_heads, 1, d)."""
@@ -393,29 +421,25 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
-def _concat_rows(mods: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate q8_0 QLinears' rows (qweight, bscales) and make each module's buffers views of them."""
-    w = torch.cat([m.qweight for m in mods]).contiguous()
-    d = torch.cat([m.bscales for m in mods]).contiguous()
-    start = 0
-    for m in mods:
-        n = m.qweight.shape[0]
-        m.qweight, m.bscales = w[start: start + n], d[start: start + n]
-        start += n
-    return w, d
+def kernel_weight(mod: QLinear) -> tuple:
+    """A q8_0 or gguf QLinear's weight as the C kernel takes it (`cpu_linear.mat`): (ggml type, w, d)."""
+    if mod.fmt == "q8_0":
+        return cpu_linear.Q8_0_TYPE, mod.qweight, mod.bscales
+    return mod.ggml_type, mod.blocks, None
 
 
 def _fusable(layer: nn.Module, cfg) -> bool:
     a, m = layer.self_attn, layer.mlp
     mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-    return (all(isinstance(p, QLinear) and p.fmt == "q8_0" and p.qweight.device.type == "cpu" for p in mods)
+    return (all(isinstance(p, QLinear) and p.fmt in ("q8_0", "gguf") and p.in_features <= cpu_linear.MAX_K
+                and next(p.buffers()).device.type == "cpu" for p in mods)
             and cfg.hidden_act in ("silu", "gelu_pytorch_tanh", "gelu_tanh")
             and a.o_proj.bias is None)
 
 
 def fuse_decode(model: nn.Module) -> int:
-    """Give every decoder layer whose linear layers are all q8_0 (on the CPU) a `FusedDecode`, when the q8_0
-    C kernel is available (else nothing changes). Returns the number of layers fused. `unfuse_decode`
+    """Give every decoder layer whose linear layers are all q8_0 or gguf (on the CPU) a `FusedDecode`, when
+    the C kernel is available (else nothing changes). Returns the number of layers fused. `unfuse_decode`
     undoes it (the module path: same weights, ~100 torch ops per layer)."""
     if not cpu_linear.available():
         return 0

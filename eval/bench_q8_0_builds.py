@@ -8,7 +8,8 @@ Each `--build TAG=SOURCE[:FLAGS]` compiles SOURCE (a q8_0.c beside its decode_at
 (space-separated, e.g. `-mno-avx512f` for the AVX2 loop, `-DPF_AHEAD=0` for no prefetch) into a temporary
 directory. Shapes: `MxNxK` is `ldqa_q8_0_linear` on random Q8_0 weights (matrices under 50 MB are cycled
 through ~200 MB of copies, so they are read from memory as in a decode step); `layers` is 18 Gemma 3 270M
-layers' fused decode calls (`ldqa_q8_0_attn_in` + `ldqa_q8_0_attn_out`, no attention). Every repetition
+layers' fused decode calls (`ldqa_decode_attn_in` + `ldqa_decode_attn_out`, no attention; the weight-matrix
+API of session 26: builds of older revisions run the linear shapes only). Every repetition
 runs every build once, in a shuffled order. Printed per build: median ms, min ms, the median over
 repetitions of (build / first build) in the same repetition (paired: a machine's slow spells hit both),
 the largest difference of its output from the first build's (relative to the output's largest value),
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_FILES = ("q8_0.c", "decode_attention.c", "simd.h")
+KERNEL_FILES = ("q8_0.c", "decode_attention.c", "simd.h", "gguf_blocks.h")
 
 
 def _sources(spec: str, tmp: Path, tag: str) -> Path:
@@ -40,9 +41,9 @@ def _sources(spec: str, tmp: Path, tag: str) -> Path:
     rev, out = spec[4:], tmp / f"src-{tag}"
     out.mkdir()
     for f in KERNEL_FILES:
-        text = subprocess.run(["git", "show", f"{rev}:kernels/{f}"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout
-        (out / f).write_text(text)
+        res = subprocess.run(["git", "show", f"{rev}:kernels/{f}"], cwd=ROOT, capture_output=True, text=True)
+        if res.returncode == 0:  # gguf_blocks.h exists from session 26 on
+            (out / f).write_text(res.stdout)
     return out / "q8_0.c"
 
 
@@ -59,8 +60,9 @@ def build(tag: str, spec: str, tmp: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.ldqa_q8_0_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
-    lib.ldqa_q8_0_attn_in.argtypes = [p, i64, p, f32, p, p, p, i64, i64, i64, p, p, p, p, p, i32]
-    lib.ldqa_q8_0_attn_out.argtypes = [p, p, i64, i64, p, p, p, p, p, f32, p, p, i64, i32, p, p, p, i32]
+    if hasattr(lib, "ldqa_decode_attn_in"):
+        lib.ldqa_decode_attn_in.argtypes = [p, i64, p, f32, p, p, i64, i64, i64, p, p, p, p, p, i32]
+        lib.ldqa_decode_attn_out.argtypes = [p, p, i64, i64, p, p, p, p, f32, p, i64, i32, p, p, i32]
     return lib
 
 
@@ -88,9 +90,16 @@ def linear_job(rng, libs, m: int, n: int, k: int):
 
 def layers_job(rng, libs, n_layers=18, hid=640, heads=4, kv=1, hd=256, inter=2048):
     """Gemma 3 270M's fused decode calls over n_layers layers of random weights (one token)"""
-    nq = (heads + 2 * kv) * hd
-    lay = [(_q8(rng, nq, hid), _q8(rng, hid, heads * hd), _q8(rng, 2 * inter, hid), _q8(rng, hid, inter))
-           for _ in range(n_layers)]
+    from ldqa.kernels.cpu_linear import Q8_0_TYPE, Mat
+
+    def mats(*shapes):  # ldqa_mat array of random Q8_0 matrices (kept alive in `keep`)
+        ws = [_q8(rng, n, k) for n, k in shapes]
+        keep.append(ws)
+        return (Mat * len(ws))(*(Mat(Q8_0_TYPE, q.ctypes.data, d.ctypes.data, q.shape[0]) for q, d in ws))
+
+    keep, nq = [], (heads + 2 * kv) * hd
+    lay = [(mats((heads * hd, hid), (kv * hd, hid), (kv * hd, hid)), mats((hid, heads * hd)),
+            mats((inter, hid), (inter, hid)), mats((hid, inter))) for _ in range(n_layers)]
     norm = [rng.uniform(0.5, 1.5, hid).astype(np.float32) for _ in range(3)]
     hnorm = rng.uniform(0.5, 1.5, hd).astype(np.float32)
     cos, sin = np.cos(np.arange(hd) * 0.1).astype(np.float32), np.sin(np.arange(hd) * 0.1).astype(np.float32)
@@ -102,11 +111,12 @@ def layers_job(rng, libs, n_layers=18, hid=640, heads=4, kv=1, hd=256, inter=204
 
     def run(tag, threads):
         lib, x, xo = libs[tag], x0.copy(), np.empty_like(x0)
-        for (wqkv, dqkv), (wo, dwo), (wgu, dgu), (wd, dwd) in lay:
-            lib.ldqa_q8_0_attn_in(a(x), hid, a(norm[0]), 1e-6, a(wqkv), a(dqkv), None, heads, kv, hd, a(hnorm),
-                                  a(hnorm), a(cos), a(sin), a(qkv), threads)
-            lib.ldqa_q8_0_attn_out(a(x), a(attn), hid, heads * hd, a(wo), a(dwo), a(norm[1]), a(norm[2]), a(norm[0]),
-                                   1e-6, a(wgu), a(dgu), inter, 1, a(wd), a(dwd), a(xo), threads)
+        for wqkv, wo, wgu, wd in lay:
+            lib.ldqa_decode_attn_in(a(x), hid, a(norm[0]), 1e-6, ctypes.addressof(wqkv), None, heads, kv, hd,
+                                    a(hnorm), a(hnorm), a(cos), a(sin), a(qkv), threads)
+            lib.ldqa_decode_attn_out(a(x), a(attn), hid, heads * hd, ctypes.addressof(wo), a(norm[1]), a(norm[2]),
+                                     a(norm[0]), 1e-6, ctypes.addressof(wgu), inter, 1, ctypes.addressof(wd), a(xo),
+                                     threads)
             x, xo = xo, x
         ys[tag][:] = x
         return 1

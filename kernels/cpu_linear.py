@@ -46,7 +46,7 @@ QK = 32  # input channels per block (GGUF's QK8_0)
 MAX_K = 65536  # the kernel's stack buffer holds the scales of 2048 blocks
 PROFILER_NAME = "ldqa::linear_q8_0"  # the kernel's name in torch.profiler tables
 _SOURCES = (Path(__file__).with_name("q8_0.c"), Path(__file__).with_name("decode_attention.c"))  # one library
-_HEADERS = (Path(__file__).with_name("simd.h"),)  # included by the sources (part of the build key)
+_HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("gguf_blocks.h"))  # included by the sources (part of the build key)
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 _lock = threading.Lock()
 _state: dict = {}
@@ -85,6 +85,49 @@ def dequantize_q8_0(qweight: torch.Tensor, scales: torch.Tensor, dtype=torch.flo
     n, k = qweight.shape
     w = qweight.float().reshape(n, k // QK, QK) * scales.float()[..., None]  # (N, B, 32)
     return w.reshape(n, k).to(dtype)
+
+
+# GGUF block types the kernel reads as shipped (`gguf_blocks.h`): ggml type id -> (name, weights per block,
+# bytes per block). Q8_0 (type 8) is read in the split layout above (int8 values, fp16 scales).
+GGUF_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+                    12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
+Q8_0_TYPE = 8
+
+
+def gguf_row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one row of k weights in GGUF block type `ggml_type` (a key of GGUF_BLOCK_TYPES).
+    Raises ValueError for another type or a k that is not a multiple of the type's block."""
+    if ggml_type not in GGUF_BLOCK_TYPES:
+        raise ValueError(f"GGUF block type {ggml_type} is not one the kernel reads "
+                         f"({', '.join(n for n, _, _ in GGUF_BLOCK_TYPES.values())})")
+    name, per, nbytes = GGUF_BLOCK_TYPES[ggml_type]
+    if k % per:
+        raise ValueError(f"{name} rows hold a multiple of {per} weights, not {k}")
+    return k // per * nbytes
+
+
+def dequantize_gguf_reference(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """blocks (N, row bytes) uint8 of GGUF block type `ggml_type` -> w (N, k) float32, by the `gguf`
+    package's numpy dequantization (the reference the C `dequantize_gguf` is tested against)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+
+    w = dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.array(w, dtype=np.float32)).reshape(blocks.shape[0], k)
+
+
+def linear_gguf_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """y = x W^T for a weight in GGUF block type `ggml_type`, in torch, with the kernel's arithmetic: x rounded
+    to int16 per block of 32 (`quantize_activations`), W as the `gguf` package dequantizes it. Summation
+    order differs from the kernel's, so results agree to fp32 rounding.
+
+    x: (M, K) float32; blocks: (N, row bytes) uint8 -> y: (M, N) float32.
+    """
+    m, k = x.shape
+    xq, xd = quantize_activations(x)
+    xr = (xq.float().reshape(m, k // QK, QK) * xd[..., None]).reshape(m, k)  # the rounded activations
+    w = dequantize_gguf_reference(blocks, ggml_type, k)
+    return (xr.double() @ w.double().t()).float()
 
 
 # --------------------------------------------------------------------------- the C kernel
@@ -142,10 +185,14 @@ def _build() -> ctypes.CDLL:
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.ldqa_q8_0_linear.restype = ctypes.c_int
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    lib.ldqa_q8_0_attn_in.argtypes = [p, i64, p, f32, p, p, p, i64, i64, i64, p, p, p, p, p, i32]
-    lib.ldqa_q8_0_attn_in.restype = ctypes.c_int
-    lib.ldqa_q8_0_attn_out.argtypes = [p, p, i64, i64, p, p, p, p, p, f32, p, p, i64, i32, p, p, p, i32]
-    lib.ldqa_q8_0_attn_out.restype = ctypes.c_int
+    lib.ldqa_mats_linear.argtypes = [p, i32, p, i64, i64, p, i32]
+    lib.ldqa_mats_linear.restype = ctypes.c_int
+    lib.ldqa_gguf_dequantize.argtypes = [i64, p, i64, i64, p, i32]
+    lib.ldqa_gguf_dequantize.restype = ctypes.c_int
+    lib.ldqa_decode_attn_in.argtypes = [p, i64, p, f32, p, p, i64, i64, i64, p, p, p, p, p, i32]
+    lib.ldqa_decode_attn_in.restype = ctypes.c_int
+    lib.ldqa_decode_attn_out.argtypes = [p, p, i64, i64, p, p, p, p, f32, p, i64, i32, p, p, i32]
+    lib.ldqa_decode_attn_out.restype = ctypes.c_int
     lib.ldqa_decode_attention.argtypes = [p, p, p, i64, i64, i64, i64, i64, p, f32, p, i32]
     lib.ldqa_decode_attention.restype = ctypes.c_int
     return lib
@@ -245,19 +292,78 @@ def linear_q8_0(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     return y
 
 
+class Mat(ctypes.Structure):
+    """A weight matrix as the kernel takes it (`ldqa_mat` in q8_0.c): ggml type, weight and scale addresses,
+    rows. Q8_0 (type 8): w int8 (N, K), d fp16 (N, K/32); the GGUF block types: w uint8 (N, row bytes)."""
+    _fields_ = [("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("n", ctypes.c_int64)]
+
+
+def _check_blocks(blocks: torch.Tensor, ggml_type: int, k: int, what: str) -> None:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() \
+            or blocks.shape[1] != gguf_row_bytes(ggml_type, k):
+        raise ValueError(f"{what}: blocks {tuple(blocks.shape)} {blocks.dtype} are not contiguous uint8 rows of "
+                         f"{GGUF_BLOCK_TYPES[ggml_type][0]} holding {k} weights each")
+
+
+def linear_gguf(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """y = x W^T for a weight stored in GGUF block type `ggml_type` (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K: the
+    file's own bytes), on the CPU: the C kernel (`gguf_blocks.h`) when available, else the torch reference.
+
+    x: (M, K) float32 (other float dtypes are cast); blocks: (N, row bytes) uint8 contiguous -> y: (M, N)
+    float32. Runs on torch.get_num_threads() threads; meant for few rows (decode), as `linear_q8_0`.
+    Raises ValueError when the type is not one of these or the shapes disagree.
+    """
+    m, k = x.shape
+    _check_blocks(blocks, ggml_type, k, "linear_gguf")
+    lib = _state["lib"] if "lib" in _state else _lib()
+    if lib is None or x.device.type != "cpu" or k > MAX_K:
+        return linear_gguf_reference(x, blocks, ggml_type)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    y = torch.empty(m, blocks.shape[0], dtype=torch.float32)
+    mat = Mat(ggml_type, blocks.data_ptr(), None, blocks.shape[0])
+    rc = _run(PROFILER_NAME, lib.ldqa_mats_linear, ctypes.byref(mat), 1, x.data_ptr(), m, k, y.data_ptr(),
+              torch.get_num_threads())
+    _check(rc, f"linear_gguf (x {tuple(x.shape)}, type {ggml_type})")
+    return y
+
+
+def dequantize_gguf(blocks: torch.Tensor, ggml_type: int, k: int, dtype=torch.float32) -> torch.Tensor:
+    """blocks (N, row bytes) uint8 of GGUF block type `ggml_type` -> w (N, k) in `dtype` (computed in fp32):
+    the C kernel's dequantization (parallel over rows) when available, else the `gguf` package's.
+    Raises ValueError as `linear_gguf`."""
+    _check_blocks(blocks, ggml_type, k, "dequantize_gguf")
+    lib = _state["lib"] if "lib" in _state else _lib()
+    if lib is None:
+        return dequantize_gguf_reference(blocks, ggml_type, k).to(dtype)
+    w = torch.empty(blocks.shape[0], k, dtype=torch.float32)
+    rc = lib.ldqa_gguf_dequantize(ggml_type, blocks.data_ptr(), blocks.shape[0], k, w.data_ptr(),
+                                  torch.get_num_threads())
+    _check(rc, f"dequantize_gguf (type {ggml_type}, K {k})")
+    return w.to(dtype)
+
+
 # --------------------------------------------------------------------------- fused decode halves of a layer
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
 
 
+def mat(ggml_type: int, w: torch.Tensor, d: torch.Tensor | None) -> Mat:
+    """The kernel's view of a weight: Q8_0 (ggml_type 8) w int8 (N, K), d float16 (N, K/32); a GGUF block type
+    (GGUF_BLOCK_TYPES) w uint8 (N, row bytes), d None. The tensors must stay alive while it is used."""
+    if ggml_type != Q8_0_TYPE and ggml_type not in GGUF_BLOCK_TYPES:
+        raise ValueError(f"weight type {ggml_type} is neither Q8_0 nor a GGUF block type the kernel reads")
+    return Mat(ggml_type, w.data_ptr(), None if d is None else d.data_ptr(), w.shape[0])
+
+
 class DecodeLayer:
     """One decoder layer's decode (one token of one sequence) around attention, in two C calls:
-    `attn_in` (`ldqa_q8_0_attn_in`) and `attn_out` (`ldqa_q8_0_attn_out`). Built once per layer from its
+    `attn_in` (`ldqa_decode_attn_in`) and `attn_out` (`ldqa_decode_attn_out`). Built once per layer from its
     weights, whose addresses it keeps (and the tensors, alive): a call then converts only the token's
     tensors. Needs `available()`: raises RuntimeError otherwise.
 
-    Weights (Q8_0: int8 rows (N, K) and float16 scales (N, K/32)): wqkv, dqkv: q_proj's rows, then
-    k_proj's, then v_proj's (N = H*d + 2*KV*d); bias: (N,) float32 or None; wo, dwo: o_proj (hidden, H*d);
-    wgu, dgu: gate_proj's rows then up_proj's (2*I, hidden); wd, dwd: down_proj (hidden, I).
+    Weights: (ggml_type, w, d) triples as `mat` takes them (Q8_0, or a GGUF block type as shipped; each
+    matrix its own type): q, k, v (hidden input channels; N = H*d, KV*d, KV*d), o (hidden, H*d), gate, up
+    (I, hidden), down (hidden, I); bias: (H*d + 2*KV*d,) float32 (q's, k's, v's) or None.
     Norm multipliers, float32 (`RMSNorm.multiplier`: 1 + w for Gemma, w otherwise): in_norm (hidden,);
     q_norm, k_norm (head_dim,) or None (no q/k norm); Gemma 3 passes attn_norm (post-attention), ff_norm
     (pre-feedforward) and ff_out_norm (post-feedforward): x + n(o) -> h, h + n(mlp(n(h))); the other
@@ -265,25 +371,28 @@ class DecodeLayer:
     "gelu_tanh". Reference: the model's own modules (tests/test_fused_decode.py compares them).
     """
 
-    def __init__(self, *, wqkv, dqkv, bias, n_heads: int, n_kv: int, head_dim: int, in_norm, q_norm, k_norm,
-                 wo, dwo, attn_norm, ff_norm, ff_out_norm, wgu, dgu, wd, dwd, act: str, eps: float):
+    def __init__(self, *, q, k, v, bias, n_heads: int, n_kv: int, head_dim: int, in_norm, q_norm, k_norm, o,
+                 attn_norm, ff_norm, ff_out_norm, gate, up, down, act: str, eps: float):
         lib = _lib()
         if lib is None:
             raise RuntimeError(f"the q8_0 CPU kernel is not available: {unavailable_reason()}")
-        self._keep = (wqkv, dqkv, bias, in_norm, q_norm, k_norm, wo, dwo, attn_norm, ff_norm, ff_out_norm, wgu, dgu,
-                      wd, dwd)
-        self._in, self._out = lib.ldqa_q8_0_attn_in, lib.ldqa_q8_0_attn_out
-        self.n_qkv, self.hidden = wqkv.shape[0], wqkv.shape[1]
-        self._in_args = (in_norm.data_ptr(), eps, wqkv.data_ptr(), dqkv.data_ptr(), _ptr(bias), n_heads, n_kv,
-                         head_dim, _ptr(q_norm), _ptr(k_norm))
-        self._out_args = (wo.data_ptr(), dwo.data_ptr(), _ptr(attn_norm), ff_norm.data_ptr(), _ptr(ff_out_norm),
-                          eps, wgu.data_ptr(), dgu.data_ptr(), wd.shape[1], ACTIVATIONS[act], wd.data_ptr(),
-                          dwd.data_ptr())
+        self._keep = (q, k, v, bias, in_norm, q_norm, k_norm, o, attn_norm, ff_norm, ff_out_norm, gate, up, down)
+        self._qkv = (Mat * 3)(mat(*q), mat(*k), mat(*v))
+        self._gu = (Mat * 2)(mat(*gate), mat(*up))
+        self._o, self._down = mat(*o), mat(*down)
+        self._in, self._out = lib.ldqa_decode_attn_in, lib.ldqa_decode_attn_out
+        self.n_qkv = sum(int(m.n) for m in self._qkv)
+        self.hidden = int(self._o.n)
+        self._in_args = (in_norm.data_ptr(), eps, ctypes.addressof(self._qkv), _ptr(bias), n_heads, n_kv, head_dim,
+                         _ptr(q_norm), _ptr(k_norm))
+        self._out_args = (ctypes.addressof(self._o), _ptr(attn_norm), ff_norm.data_ptr(), _ptr(ff_out_norm), eps,
+                          ctypes.addressof(self._gu), int(self._gu[0].n), ACTIVATIONS[act],
+                          ctypes.addressof(self._down))
 
     def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (..., hidden) float32 contiguous holding one token, the layer's input; cos, sin: head_dim float32
         contiguous values, RoPE at the token's position (rotate_half layout, `model.rope_cos_sin`).
-        Returns (N,) float32 = [q | k | v]: input RMSNorm, the q|k|v product (+ bias), q/k norms, RoPE.
+        Returns (N,) float32 = [q | k | v]: input RMSNorm, the q, k, v products (+ bias), q/k norms, RoPE.
         Raises ValueError/MemoryError when the kernel refuses."""
         out = torch.empty(self.n_qkv, dtype=torch.float32)
         rc = _run("ldqa::decode_attn_in", self._in, x.data_ptr(), self.hidden, *self._in_args, cos.data_ptr(),
@@ -294,7 +403,7 @@ class DecodeLayer:
     def attn_out(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x: (..., hidden) float32 contiguous, the layer's input (the residual stream); attn: H*d float32
         contiguous values, the attention output (heads concatenated). Returns the layer's output, x's
-        shape: o_proj, norms and residual adds, gate|up, the activation, down_proj."""
+        shape: o_proj, norms and residual adds, gate and up, the activation, down_proj."""
         out = torch.empty(x.shape, dtype=torch.float32)
         rc = _run("ldqa::decode_attn_out", self._out, x.data_ptr(), attn.data_ptr(), self.hidden, attn.numel(),
                   *self._out_args, out.data_ptr(), torch.get_num_threads())

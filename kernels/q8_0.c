@@ -35,13 +35,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "gguf_blocks.h"
 #include "simd.h"
 
 #define QK 32
 
 
-/* x (M, K) fp32 -> xq (M, K) int16 and xd (M, K / 32) fp32 with x ~= xd * xq per block of 32 */
-static void quantize_x(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd) {
+/* x (M, K) fp32 -> xq (M, K) int16 and xd (M, K / 32) fp32 with x ~= xd * xq per block of 32, and
+ * xs (M, K / 32) int32, the sum of each block's xq (for the block formats with an offset) */
+static void quantize_x(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, int32_t *xs) {
     const int64_t nb = K / QK;
     for (int64_t i = 0; i < M * nb; i++) {
         const float *xb = x + i * QK;
@@ -52,7 +54,9 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int16_t *xq, float 
         }
         const float dx = amax / 32767.0f, inv = amax > 0 ? 32767.0f / amax : 0.0f;
         xd[i] = dx;
-        for (int j = 0; j < QK; j++) xq[i * QK + j] = (int16_t)__builtin_lrintf(xb[j] * inv);
+        int32_t sum = 0;
+        for (int j = 0; j < QK; j++) sum += xq[i * QK + j] = (int16_t)__builtin_lrintf(xb[j] * inv);
+        xs[i] = sum;
     }
 }
 
@@ -159,39 +163,102 @@ static inline void channel512(const int8_t *wn, const uint16_t *dn, const int16_
 }
 #endif
 
-/* y (M, N) = x (M, K) W^T with W = (qw (N, K) int8, d (N, K / 32) fp16 bits), on `threads` threads.
- * Returns 0, 1 for a K that is not a multiple of 32 or above 65536, 2 for no memory. */
-int ldqa_q8_0_linear(const float *x, int64_t M, int64_t K, const int8_t *qw, const uint16_t *d, int64_t N,
-                     float *y, int threads) {
-    if (K % QK || K / QK > MAX_BLOCKS) return 1;
+/* A weight matrix of N rows of K weights for `mats_linear`: type T_Q8_0 is Q8_0 in our split layout (w: int8
+ * (N, K), d: fp16 bits (N, K / 32)); the other types of gguf_blocks.h are ggml's blocks as shipped (w: (N, row
+ * bytes) uint8, d unused). Shared with Python (cpu_linear.Mat). */
+typedef struct {
+    int64_t type;
+    const void *w;
+    const uint16_t *d;
+    int64_t n;
+} ldqa_mat;
+
+#define MAX_MATS 4
+
+/* y (M, sum of n) = x (M, K) [W_0 | W_1 | ...]^T for nm <= MAX_MATS matrices of K input channels: the
+ * columns of matrix i follow those of matrix i - 1 (q | k | v, gate | up). x is rounded to int16 once;
+ * one parallel loop (OpenMP, `threads`) over all the output channels. Returns 0, 1 for a K or type that
+ * does not fit (K a multiple of 32, of 256 for the K types, at most 65536), 2 for no memory. */
+static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, int64_t K, float *y, int threads) {
+    if (nm < 1 || nm > MAX_MATS || K % QK || K / QK > MAX_BLOCKS) return 1;
     const int64_t nb = K / QK;
+    int64_t start[MAX_MATS + 1], row_bytes[MAX_MATS];
+    gguf_row_fn fn[MAX_MATS];
+    start[0] = 0;
+    for (int i = 0; i < nm; i++) {
+        fn[i] = mats[i].type == T_Q8_0 ? NULL : gguf_row(mats[i].type);
+        row_bytes[i] = gguf_row_bytes(mats[i].type, K);
+        if (!row_bytes[i] || (mats[i].type == T_Q8_0 && !mats[i].d) || (mats[i].type != T_Q8_0 && !fn[i])) return 1;
+        start[i + 1] = start[i] + mats[i].n;
+    }
+    const int64_t N = start[nm];
     int16_t *xq = malloc(M * K * sizeof(int16_t));
     float *xd = malloc(M * nb * sizeof(float));
-    if (!xq || !xd) {
+    int32_t *xs = malloc(M * nb * sizeof(int32_t));
+    if (!xq || !xd || !xs) {
         free(xq);
         free(xd);
+        free(xs);
         return 2;
     }
-    quantize_x(x, M, K, xq, xd);
+    quantize_x(x, M, K, xq, xd, xs);
     const int pf = K <= PF_MAX_K;
 #pragma omp parallel num_threads(threads)
     {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         float c[MT * MAX_BLOCKS]; /* (MT, nb): combined scales of one weight row against MT rows of x */
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) channel512(qw + n * K, d + n * nb, xq, xd, M, K, N, pf, c, y + n);
 #else
         float c[MAX_BLOCKS]; /* (nb,): combined scales of one weight row against one row of x */
+#endif
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++)
+        for (int64_t r = 0; r < N; r++) {
+            int i = 0;
+            while (r >= start[i + 1]) i++;
+            const int64_t n = r - start[i];
+            const uint8_t *wn = (const uint8_t *)mats[i].w + n * row_bytes[i];
+            float *yn = y + r;
+            if (fn[i]) {
+                for (int64_t m = 0; m < M; m++) yn[m * N] = fn[i](wn, xq + m * K, xd + m * nb, xs + m * nb, nb);
+                continue;
+            }
+            const uint16_t *dn = mats[i].d + n * nb;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            channel512((const int8_t *)wn, dn, xq, xd, M, K, N, pf, c, yn);
+#else
             for (int64_t m = 0; m < M; m++) {
-                row_scales(d + n * nb, xd + m * nb, nb, c);
-                y[m * N + n] = row_dot(qw + n * K, xq + m * K, c, nb, pf && m == 0);
+                row_scales(dn, xd + m * nb, nb, c);
+                yn[m * N] = row_dot((const int8_t *)wn, xq + m * K, c, nb, pf && m == 0);
             }
 #endif
+        }
     }
     free(xq);
     free(xd);
+    free(xs);
+    return 0;
+}
+
+/* y (M, N) = x (M, K) W^T with W = (qw (N, K) int8, d (N, K / 32) fp16 bits), on `threads` threads.
+ * Returns 0, 1 for a K that is not a multiple of 32 or above 65536, 2 for no memory. */
+int ldqa_q8_0_linear(const float *x, int64_t M, int64_t K, const int8_t *qw, const uint16_t *d, int64_t N,
+                     float *y, int threads) {
+    const ldqa_mat w = {T_Q8_0, qw, d, N};
+    return mats_linear(&w, 1, x, M, K, y, threads);
+}
+
+/* y (M, sum of n) = x (M, K) [W_0 | ... ]^T for nm matrices `mats` (see ldqa_mat), on `threads` threads.
+ * Returns 0, 1 for a K or type that does not fit, 2 for no memory. */
+int ldqa_mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, int64_t K, float *y, int threads) {
+    return mats_linear(mats, nm, x, M, K, y, threads);
+}
+
+/* out (rows, K) fp32 = the weights of `rows` rows of ggml type `type` (K per row, rows of gguf_row_bytes
+ * bytes one after the other), in parallel over rows. Returns 0, 1 for a type or K it does not read. */
+int ldqa_gguf_dequantize(int64_t type, const uint8_t *w, int64_t rows, int64_t K, float *out, int threads) {
+    const int64_t rb = gguf_row_bytes(type, K);
+    if (!rb || type == T_Q8_0) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) gguf_dequantize_row(type, w + r * rb, K, out + r * K);
     return 0;
 }
 
@@ -220,18 +287,17 @@ static void rope(float *x, int64_t d, const float *cos, const float *sin) {
     }
 }
 
-/* x (hidden,) -> out = [q (n_heads*d) | k (n_kv*d) | v (n_kv*d)]: RMSNorm, the fused q|k|v projection
- * (+ bias when given), per-head q/k RMSNorm when given (Qwen3, Gemma 3), RoPE on q and k.
- * Returns 0, 1 for a bad K, 2 for no memory. */
-int ldqa_q8_0_attn_in(const float *x, int64_t hidden, const float *norm_w, float eps, const int8_t *wqkv,
-                      const uint16_t *dqkv, const float *bias, int64_t n_heads, int64_t n_kv, int64_t d,
-                      const float *qnorm_w, const float *knorm_w, const float *cos, const float *sin,
-                      float *out, int threads) {
+/* x (hidden,) -> out = [q (n_heads*d) | k (n_kv*d) | v (n_kv*d)]: RMSNorm, the q, k, v projections (qkv: 3
+ * matrices of `hidden` input channels, in one parallel loop; + bias when given), per-head q/k RMSNorm when
+ * given (Qwen3, Gemma 3), RoPE on q and k. Returns 0, 1 for a bad K or type, 2 for no memory. */
+int ldqa_decode_attn_in(const float *x, int64_t hidden, const float *norm_w, float eps, const ldqa_mat *qkv,
+                        const float *bias, int64_t n_heads, int64_t n_kv, int64_t d, const float *qnorm_w,
+                        const float *knorm_w, const float *cos, const float *sin, float *out, int threads) {
     float *h = malloc(hidden * sizeof(float));
     if (!h) return 2;
     rms_norm(x, hidden, norm_w, eps, h);
     const int64_t n = (n_heads + 2 * n_kv) * d;
-    const int rc = ldqa_q8_0_linear(h, 1, hidden, wqkv, dqkv, n, out, threads);
+    const int rc = mats_linear(qkv, 3, h, 1, hidden, out, threads);
     free(h);
     if (rc) return rc;
     if (bias)
@@ -250,21 +316,22 @@ int ldqa_q8_0_attn_in(const float *x, int64_t hidden, const float *norm_w, float
 
 /* the layer after attention: o = attn Wo^T; Gemma (sandwich norms): x += norm(o); h = norm(x);
  * x += norm(down(act(gate(h)) * up(h))); the others (attn_norm_w, ff_out_norm_w NULL): x += o;
- * h = norm(x); x += down(act(gate(h)) * up(h)). wgu holds gate's rows then up's. act: 0 SiLU, 1 GELU
- * (tanh approximation). x_out (hidden,) may not alias x. Returns 0, 1 for a bad K, 2 for no memory. */
-int ldqa_q8_0_attn_out(const float *x, const float *attn, int64_t hidden, int64_t attn_dim, const int8_t *wo,
-                       const uint16_t *dwo, const float *attn_norm_w, const float *ff_norm_w,
-                       const float *ff_out_norm_w, float eps, const int8_t *wgu, const uint16_t *dgu,
-                       int64_t inter, int act, const int8_t *wd, const uint16_t *dwd, float *x_out, int threads) {
+ * h = norm(x); x += down(act(gate(h)) * up(h)). gu: the gate and up matrices (one parallel loop). act: 0
+ * SiLU, 1 GELU (tanh approximation). x_out (hidden,) may not alias x. Returns 0, 1 for a bad K or type, 2
+ * for no memory. */
+int ldqa_decode_attn_out(const float *x, const float *attn, int64_t hidden, int64_t attn_dim, const ldqa_mat *wo,
+                         const float *attn_norm_w, const float *ff_norm_w, const float *ff_out_norm_w, float eps,
+                         const ldqa_mat *gu_w, int64_t inter, int act, const ldqa_mat *wd, float *x_out,
+                         int threads) {
     float *o = malloc(hidden * sizeof(float)), *h = malloc(hidden * sizeof(float));
     float *gu = malloc(2 * inter * sizeof(float));
     int rc = 2;
     if (!o || !h || !gu) goto done;
-    if ((rc = ldqa_q8_0_linear(attn, 1, attn_dim, wo, dwo, hidden, o, threads))) goto done;
+    if ((rc = mats_linear(wo, 1, attn, 1, attn_dim, o, threads))) goto done;
     if (attn_norm_w) rms_norm(o, hidden, attn_norm_w, eps, o);
     for (int64_t i = 0; i < hidden; i++) x_out[i] = x[i] + o[i];
     rms_norm(x_out, hidden, ff_norm_w, eps, h);
-    if ((rc = ldqa_q8_0_linear(h, 1, hidden, wgu, dgu, 2 * inter, gu, threads))) goto done;
+    if ((rc = mats_linear(gu_w, 2, h, 1, hidden, gu, threads))) goto done;
     for (int64_t i = 0; i < inter; i++) {
         const float g = gu[i];
         float a;
@@ -276,7 +343,7 @@ int ldqa_q8_0_attn_out(const float *x, const float *attn, int64_t hidden, int64_
         }
         gu[i] = a * gu[inter + i];
     }
-    if ((rc = ldqa_q8_0_linear(gu, 1, inter, wd, dwd, hidden, o, threads))) goto done;
+    if ((rc = mats_linear(wd, 1, gu, 1, inter, o, threads))) goto done;
     if (ff_out_norm_w) rms_norm(o, hidden, ff_out_norm_w, eps, o);
     for (int64_t i = 0; i < hidden; i++) x_out[i] += o[i];
 done:

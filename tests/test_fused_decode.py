@@ -62,12 +62,12 @@ def test_fused_weights_are_held_once_and_prefill_uses_them(tiny_model_dir):
     lm = loader.load_model(d, weights="q8_0")
     layer = lm.model.model.layers[0]
     fused, attn = layer.fused, layer.self_attn
-    # the modules' buffers are views of the concatenation: one copy of the weights
-    assert attn.q_proj.qweight.untyped_storage().data_ptr() == fused.wqkv.untyped_storage().data_ptr()
-    assert attn.v_proj.bscales.untyped_storage().data_ptr() == fused.dqkv.untyped_storage().data_ptr()
-    assert layer.mlp.up_proj.qweight.untyped_storage().data_ptr() == fused.wgu.untyped_storage().data_ptr()
+    # the kernel reads the modules' own buffers: one copy of the weights
+    qkv = fused.kernel._qkv
+    assert [m.w for m in qkv] == [p.qweight.data_ptr() for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert [m.d for m in qkv] == [p.bscales.data_ptr() for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert fused.kernel._gu[1].w == layer.mlp.up_proj.qweight.data_ptr()
     n_q, n_k = attn.q_proj.out_features, attn.k_proj.out_features
-    assert torch.equal(attn.k_proj.qweight, fused.wqkv[n_q:n_q + n_k])
     assert torch.equal(fused.bias[n_q:n_q + n_k], attn.k_proj.bias)
     loader._LOADED.clear()
     monkey_free = loader.load_model(d, weights="q8_0")
@@ -84,9 +84,9 @@ def test_without_the_kernel_nothing_is_fused(tiny_model_dir, monkeypatch):
     toks, logits = _decode(lm.model, torch.tensor([[5, 6, 7, 8]]), 3)  # the module path still decodes
     assert len(toks) == 3 and torch.isfinite(logits).all()
     with pytest.raises(RuntimeError, match="not available.*LDQA_CPU_KERNELS=torch"):
-        cpu_linear.DecodeLayer(wqkv=None, dqkv=None, bias=None, n_heads=1, n_kv=1, head_dim=32, in_norm=None,
-                               q_norm=None, k_norm=None, wo=None, dwo=None, attn_norm=None, ff_norm=None,
-                               ff_out_norm=None, wgu=None, dgu=None, wd=None, dwd=None, act="silu", eps=1e-6)
+        cpu_linear.DecodeLayer(q=None, k=None, v=None, bias=None, n_heads=1, n_kv=1, head_dim=32, in_norm=None,
+                               q_norm=None, k_norm=None, o=None, attn_norm=None, ff_norm=None, ff_out_norm=None,
+                               gate=None, up=None, down=None, act="silu", eps=1e-6)
 
 
 def test_other_formats_are_not_fused(tiny_model_dir):

@@ -1,0 +1,148 @@
+"""The gguf weight format (issue 30): the C kernel reading GGUF's quantized blocks as shipped (`gguf_blocks.h`)
+against the `gguf` package's dequantization, and the packaged models loaded with their own blocks."""
+
+import ctypes
+import platform
+
+import numpy as np
+import pytest
+import torch
+
+from ldqa.attention import loader
+from ldqa.attention.quant import WeightFormatError
+from ldqa.kernels import cpu_linear as C
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+TYPES = sorted(C.GGUF_BLOCK_TYPES)  # Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K
+
+
+def random_blocks(ggml_type: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """(n, row bytes) uint8 of random blocks of `ggml_type`: random bits everywhere, fp16 scales (and mins)
+    set to finite values of a realistic size (a random fp16 can be inf or NaN)."""
+    name, per, nbytes = C.GGUF_BLOCK_TYPES[ggml_type]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // per, nbytes), dtype=np.uint8)
+
+    def put(offset, lo, hi):
+        vals = rng.uniform(lo, hi, size=(n, k // per)).astype(np.float16)
+        raw[:, :, offset:offset + 2] = vals.view(np.uint8).reshape(n, k // per, 2)
+
+    if name == "Q6_K":
+        put(208, -2e-3, 2e-3)
+    elif name == "Q4_K":
+        put(0, 0, 2e-3), put(2, 0, 2e-3)
+    else:
+        put(0, -2e-2, 2e-2)
+        if name in ("Q4_1", "Q5_1"):
+            put(2, -0.1, 0.1)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_dequantize_matches_the_gguf_package_bit_for_bit(ggml_type):
+    blocks = random_blocks(ggml_type, 37, 512, seed=ggml_type)
+    assert torch.equal(C.dequantize_gguf(blocks, ggml_type, 512), C.dequantize_gguf_reference(blocks, ggml_type, 512))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_kernel_matches_the_reference(ggml_type, m):
+    k, n = 768, 45
+    blocks = random_blocks(ggml_type, n, k, seed=ggml_type * 10 + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    ref = C.linear_gguf_reference(x, blocks, ggml_type)
+    scale = float(ref.abs().max())
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            y = C.linear_gguf(x, blocks, ggml_type)
+        finally:
+            torch.set_num_threads(1)
+        # the same integer block sums, scaled in fp32 in another order
+        assert float((y - ref).abs().max()) <= 1e-5 * scale, (ggml_type, m, threads)
+    # and against the exact product: the activations' int16 rounding (2^-16 of a block's largest value)
+    exact = x.double() @ C.dequantize_gguf_reference(blocks, ggml_type, k).double().t()
+    assert float((y.double() - exact).abs().max()) <= 2e-4 * scale
+
+
+@pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
+def test_avx2_build_agrees_with_the_native_build(tmp_path):
+    # the K types have AVX-512 row loops chosen at compile time; the AVX2-only build (-mno-avx512f) must give
+    # the same products (fp32 rounding apart)
+    assert C.available(), C.unavailable_reason()
+    cmd = [C._compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC"]
+    lib = ctypes.CDLL(str(C._compile(cmd, tmp_path / "gguf-avx2.so")))
+    fn = lib.ldqa_mats_linear
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int]
+    for ggml_type in TYPES:
+        blocks = random_blocks(ggml_type, 29, 512, seed=ggml_type)
+        x = torch.randn(2, 512, generator=torch.Generator().manual_seed(ggml_type))
+        native = C.linear_gguf(x, blocks, ggml_type)
+        avx2 = torch.empty(2, 29)
+        mat = C.Mat(ggml_type, blocks.data_ptr(), None, 29)
+        assert fn(ctypes.byref(mat), 1, x.data_ptr(), 2, 512, avx2.data_ptr(), 1) == 0
+        assert float((avx2 - native).abs().max()) <= 1e-5 * float(native.abs().max()), ggml_type
+
+
+def test_several_matrices_in_one_call_equal_one_at_a_time():
+    # the fused decode computes q | k | v (mixed types: Gemma's v is Q8_0 in half the layers) in one loop
+    k = 512
+    q = random_blocks(6, 64, k, seed=1)  # Q5_0
+    kk = random_blocks(12, 16, k, seed=2)  # Q4_K
+    vq = torch.randint(-127, 128, (16, k), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    vd = torch.full((16, k // 32), 0.01, dtype=torch.float16)
+    x = torch.randn(1, k)
+    mats = (C.Mat * 3)(C.mat(6, q, None), C.mat(12, kk, None), C.mat(C.Q8_0_TYPE, vq, vd))
+    y = torch.empty(1, 96)
+    assert C._lib().ldqa_mats_linear(ctypes.addressof(mats), 3, x.data_ptr(), 1, k, y.data_ptr(), 1) == 0
+    want = torch.cat([C.linear_gguf(x, q, 6), C.linear_gguf(x, kk, 12), C.linear_q8_0(x, vq, vd)], dim=1)
+    assert torch.equal(y, want)
+
+
+def test_bad_blocks_are_refused():
+    blocks = random_blocks(6, 4, 64)
+    with pytest.raises(ValueError, match="not one the kernel reads"):
+        C.linear_gguf(torch.randn(1, 64), blocks, 10)  # Q2_K
+    with pytest.raises(ValueError, match="Q5_0 holding 96"):
+        C.linear_gguf(torch.randn(1, 96), blocks, 6)  # rows of 64 weights, x of 96
+    with pytest.raises(ValueError, match="multiple of 256"):
+        C.linear_gguf(torch.randn(1, 640), random_blocks(12, 4, 512)[:, :100].contiguous(), 12)  # Q4_K: 256s
+    with pytest.raises(ValueError, match="neither Q8_0 nor"):
+        C.mat(10, blocks, None)
+
+
+def test_a_hugging_face_directory_has_no_blocks(tiny_model_dir):
+    with pytest.raises(WeightFormatError, match="Hugging Face directory: use weights='q8_0'"):
+        loader.load_model(str(tiny_model_dir("llama")), weights="gguf")
+
+
+def _greedy(lm, ids, steps):
+    m, n = lm.model, len(ids)
+    cache = m.new_cache()
+    with torch.no_grad():
+        logits = m(torch.tensor([ids]), torch.arange(n), cache)
+        first, toks = logits[0, -1].clone(), []
+        for i in range(steps):
+            toks.append(int(logits[0, -1].argmax()))
+            logits = m(torch.tensor([[toks[-1]]]), torch.tensor([n + i]), cache)
+    return first, toks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, types", [("smollm2-135m", {"Q4_1"}), ("gemma3-270m", {"Q5_0", "Q4_K", "Q6_K"})])
+def test_packaged_models_keep_their_blocks_and_match_fp32(name, types):
+    # smollm2 is a Llama: its q/k rows are un-permuted (the loader finds the permutation); gemma mixes five
+    # block types, Q8_0 ones (embedding, half the v projections) become q8_0 with the same values
+    lm = loader.load_model(name, weights="gguf")
+    layers = lm.model.model.layers
+    found = {C.GGUF_BLOCK_TYPES[mod.ggml_type][0] for layer in layers for mod in layer.modules()
+             if getattr(mod, "fmt", None) == "gguf"}
+    assert found == types
+    assert all(layer.fused is not None for layer in layers)
+    ids = lm.tokenizer.encode("Question: who wrote the novel Moby-Dick, published in 1851? Answer:")
+    first, toks = _greedy(lm, ids, 16)
+    ref_first, ref_toks = _greedy(loader.load_model(name, weights="fp32"), ids, 16)
+    # the very weights of fp32 (both read the same blocks): only the activations' int16 rounding differs
+    assert float((first - ref_first).abs().max() / ref_first.abs().max()) < 2e-3
+    assert toks == ref_toks
