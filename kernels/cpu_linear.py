@@ -1,7 +1,9 @@
 """ldqa's CPU kernels in C, built at first use into one library: the matmul of the `q8_0` weight format
-(`q8_0.c`: `linear_q8_0`, and a decoder layer's decode around attention, `DecodeLayer`) and the
+(`q8_0.c`: `linear_q8_0`, and a decoder layer's decode around attention, `DecodeLayer`), the same for the
+`gguf` format's blocks as shipped (`gguf_blocks.h`: `linear_gguf`, `dequantize_gguf`) and the
 attention of one decode token (`decode_attention.c`: `decode_attention`).
-Torch references: `linear_q8_0_reference`, the model's modules, `reference.attention`.
+Torch references: `linear_q8_0_reference`, `linear_gguf_reference` (the `gguf` package's dequantization),
+the model's modules, `reference.attention`.
 
 Q8_0 is GGUF's (llama.cpp's) 8-bit layout: int8 values in blocks of 32 input channels, one fp16 scale per
 block, w[n, k] = d[n, k // 32] * q[n, k]. Gemma 3's GGUF stores its token embedding (the tied LM head, 63%

@@ -55,18 +55,12 @@ def test_kernel_matches_reference_and_fp32(n, k, m):
     assert float((y.double() - exact).abs().max()) <= 2e-4 * scale
 
 
-@pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
-def test_avx2_build_agrees_with_the_native_build(tmp_path):
+def test_avx2_build_agrees_with_the_native_build(avx2_kernel_lib):
     # q8_0.c's AVX-512 4-row tile (M >= 4) is chosen at compile time; the AVX2-only build (the fallback of
     # machines without AVX-512) is built here too (-mno-avx512f) and compared with the native build: the
     # same integer block sums, so fp32 rounding only; a single row goes through the same AVX2 loop in both
     # builds, bit for bit
-    assert C.available(), C.unavailable_reason()
-    cmd = [C._compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC"]
-    lib = ctypes.CDLL(str(C._compile(cmd, tmp_path / "q8_0-avx2.so")))
-    fn = lib.ldqa_q8_0_linear
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    fn = avx2_kernel_lib.ldqa_q8_0_linear
     for n, k, m in [(37, 224, 1), (37, 224, 17), (6, 96, 3), (129, 640, 5), (1, 32, 4)]:
         q, d = _q8(n, k, seed=n * k + m)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

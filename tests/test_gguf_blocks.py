@@ -2,7 +2,6 @@
 against the `gguf` package's dequantization, and the packaged models loaded with their own blocks."""
 
 import ctypes
-import platform
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ from ldqa.attention import loader
 from ldqa.attention.quant import WeightFormatError
 from ldqa.kernels import cpu_linear as C
 
-X86 = platform.machine().lower() in ("x86_64", "amd64")
 TYPES = sorted(C.GGUF_BLOCK_TYPES)  # Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K
 
 
@@ -65,16 +63,10 @@ def test_kernel_matches_the_reference(ggml_type, m):
     assert float((y.double() - exact).abs().max()) <= 2e-4 * scale
 
 
-@pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
-def test_avx2_build_agrees_with_the_native_build(tmp_path):
+def test_avx2_build_agrees_with_the_native_build(avx2_kernel_lib):
     # the K types have AVX-512 row loops chosen at compile time; the AVX2-only build (-mno-avx512f) must give
     # the same products (fp32 rounding apart)
-    assert C.available(), C.unavailable_reason()
-    cmd = [C._compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC"]
-    lib = ctypes.CDLL(str(C._compile(cmd, tmp_path / "gguf-avx2.so")))
-    fn = lib.ldqa_mats_linear
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_int]
+    fn = avx2_kernel_lib.ldqa_mats_linear
     for ggml_type in TYPES:
         blocks = random_blocks(ggml_type, 29, 512, seed=ggml_type)
         x = torch.randn(2, 512, generator=torch.Generator().manual_seed(ggml_type))
