@@ -14,11 +14,15 @@
  * In the 32-blocks of Q4_0/Q4_1/Q5_0/Q5_1, byte j's low nibble is value j and its high nibble value j + 16;
  * bit j of qh is value j's fifth bit.
  *
- * Per block of 32: the block's values are unpacked into 32 bytes, widened to int16 and multiplied with the
- * int16 activations (_mm256_madd_epi16: exact integer sums, as for Q8_0), converted to fp32 once and scaled
- * by the weight's scale times xd; the formats with an offset (Q4_1, Q5_1: + m; Q4_K: - dmin * m_s) add
- * offset * xd * xs. Reading a Q5_0 row (5.5 bits per weight) instead of its Q8_0 re-rounding (8.5) is what
- * this is for: decode reads every weight once per token (issue 30).
+ * Per block of 32 (Q4_0/Q4_1/Q5_0/Q5_1): the 16 bytes of nibbles are widened to int16 once and split by
+ * mask and shift into values 0-15 and 16-31 (the layout of the activations), the fifth bits added as 16
+ * (AVX-512VL: one lane mask per half, the 32-bit qh as stored; AVX2: through bytes), two _mm256_madd_epi16
+ * with the int16 activations (exact integer sums, as for Q8_0); Q4_0/Q5_0's -8/-16 is taken off exactly as
+ * 8 * xs / 16 * xs in the integer lanes; converted to fp32 once and scaled by the block's scale times xd.
+ * Q4_1/Q5_1 (+ m) and Q4_K (- dmin * m_s) add offset * xd * xs. Q6_K keeps a scale per 16 (two madds).
+ * Why: decode reads every weight once per token, and a Q5_0 row is 5.5 bits per weight where its Q8_0
+ * rounding is 8.5 (issue 30). Measured: on the dev machine the unpacking costs more than the bytes save
+ * (docs/results.md, session 26), so this is for exactness and memory, not speed.
  * Torch reference: cpu_linear.linear_gguf_reference (the `gguf` package's dequantization, the same
  * activation rounding); tests/test_gguf_blocks.py compares them for every type.
  */
@@ -54,12 +58,6 @@ static inline float fp16_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* 16 bytes of nibbles -> 32 bytes: the low nibbles (values 0-15), then the high ones (values 16-31) */
-static inline __m256i nibbles32(const uint8_t *qs) {
-    const __m128i t = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), m), _mm_and_si128(t, m));
-}
-
 /* the 32-bit word at p -> 32 bytes, byte j = 0x10 where bit j is set, else 0 (a fifth bit, in place) */
 static inline __m256i fifth_bits32(const uint8_t *p) {
     uint32_t w;
@@ -73,14 +71,7 @@ static inline __m256i fifth_bits32(const uint8_t *p) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-/* 8 int32 lane sums of 32 weights (bytes, signed or unsigned) times 32 int16 activations: exact */
-static inline __m256i dot32_s8(__m256i w, const int16_t *x) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
-    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
-                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-}
-
+/* 8 int32 lane sums of 32 unsigned byte weights times 32 int16 activations: exact */
 static inline __m256i dot32_u8(__m256i w, const int16_t *x) {
     const __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
     const __m256i w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
@@ -93,49 +84,108 @@ static inline __m256 fma_lanes(__m256i lanes, float s, __m256 acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s), acc);
 }
 
-/* The 32-block formats: the values of the block at `blk` as 32 bytes, *scale and *offset (w = scale * v + offset) */
-static inline __m256i block_q4_0(const uint8_t *blk, float *scale, float *offset) {
-    *scale = fp16_at(blk), *offset = 0.0f;
-    return _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8)); /* signed */
+/* 16 bytes of nibbles straight to int16 lanes: *lo = the low nibbles (values 0-15), *hi = the high ones
+ * (values 16-31); both in [0, 15] */
+static inline void nibbles16(const uint8_t *qs, __m256i *lo, __m256i *hi) {
+    const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+    *lo = _mm256_and_si256(u, _mm256_set1_epi16(0x0F));
+    *hi = _mm256_srli_epi16(u, 4);
 }
-static inline __m256i block_q4_1(const uint8_t *blk, float *scale, float *offset) {
+
+/* 8 int32 lanes summing to sum_j v_j x_j - sub (sub in lane 0): exact; the values lo (0-15), hi (16-31) */
+static inline __m256i dot32_16(__m256i lo, __m256i hi, const int16_t *x, int32_t sub) {
+    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                                       _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+    return _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(sub)));
+}
+
+/* The 32-block formats: the block's integer dot product with x as 8 int32 lanes (the formats' own offsets
+ * -8 / -16 applied exactly, as - 8 * xs / - 16 * xs) and *scale, and for Q4_1/Q5_1 *offset = m (w = scale *
+ * v + m, v unsigned) */
+static inline __m256i lanes_q4_0(const uint8_t *blk, const int16_t *x, int32_t xs, float *scale) {
+    __m256i lo, hi;
+    nibbles16(blk + 2, &lo, &hi);
+    *scale = fp16_at(blk);
+    return dot32_16(lo, hi, x, 8 * xs);
+}
+static inline __m256i lanes_q4_1(const uint8_t *blk, const int16_t *x, float *scale, float *offset) {
+    __m256i lo, hi;
+    nibbles16(blk + 4, &lo, &hi);
     *scale = fp16_at(blk), *offset = fp16_at(blk + 2);
-    return nibbles32(blk + 4); /* unsigned */
+    return dot32_16(lo, hi, x, 0);
 }
-static inline __m256i block_q5_0(const uint8_t *blk, float *scale, float *offset) {
-    *scale = fp16_at(blk), *offset = 0.0f;
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), fifth_bits32(blk + 2)), _mm256_set1_epi8(16));
+/* Q5: the fifth bits (bit j of the 32-bit qh = value j's) added as 16: with AVX-512VL, a lane mask per half;
+ * without, through bytes (fifth_bits32, as ggml's bytes_from_bits_32) */
+static inline void add_fifth_bits(const uint8_t *qh, __m256i *lo, __m256i *hi) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+#if defined(__AVX512VL__) && defined(__AVX512BW__)
+    *lo = _mm256_mask_add_epi16(*lo, (__mmask16)bits, *lo, _mm256_set1_epi16(16));
+    *hi = _mm256_mask_add_epi16(*hi, (__mmask16)(bits >> 16), *hi, _mm256_set1_epi16(16));
+#else
+    const __m256i f = fifth_bits32(qh); /* 32 bytes: 0x10 or 0 */
+    *lo = _mm256_or_si256(*lo, _mm256_cvtepu8_epi16(_mm256_castsi256_si128(f)));
+    *hi = _mm256_or_si256(*hi, _mm256_cvtepu8_epi16(_mm256_extracti128_si256(f, 1)));
+#endif
 }
-static inline __m256i block_q5_1(const uint8_t *blk, float *scale, float *offset) {
+static inline __m256i lanes_q5_0(const uint8_t *blk, const int16_t *x, int32_t xs, float *scale) {
+    __m256i lo, hi;
+    nibbles16(blk + 6, &lo, &hi);
+    add_fifth_bits(blk + 2, &lo, &hi);
+    *scale = fp16_at(blk);
+    return dot32_16(lo, hi, x, 16 * xs);
+}
+static inline __m256i lanes_q5_1(const uint8_t *blk, const int16_t *x, float *scale, float *offset) {
+    __m256i lo, hi;
+    nibbles16(blk + 8, &lo, &hi);
+    add_fifth_bits(blk + 4, &lo, &hi);
     *scale = fp16_at(blk), *offset = fp16_at(blk + 2);
-    return _mm256_or_si256(nibbles32(blk + 8), fifth_bits32(blk + 4)); /* unsigned */
+    return dot32_16(lo, hi, x, 0);
 }
 
 /* one row of a 32-block format against one activation row: two accumulators (even / odd blocks) */
-#define ROW_32(NAME, BYTES, BLOCK, DOT)                                                                   \
+#define ROW_32(NAME, BYTES, LANES)                                                                        \
     static float NAME(const uint8_t *w, const int16_t *xq, const float *xd, const int32_t *xs, int64_t nb) { \
         __m256 e = _mm256_setzero_ps(), o = _mm256_setzero_ps();                                           \
-        float off = 0.0f, s, m;                                                                            \
+        float s;                                                                                           \
         int64_t b = 0;                                                                                     \
         for (; b + 2 <= nb; b += 2) {                                                                      \
-            __m256i v = BLOCK(w + b * BYTES, &s, &m);                                                      \
-            e = fma_lanes(DOT(v, xq + b * 32), s * xd[b], e);                                              \
-            off += m * xd[b] * (float)xs[b];                                                               \
-            v = BLOCK(w + (b + 1) * BYTES, &s, &m);                                                        \
-            o = fma_lanes(DOT(v, xq + (b + 1) * 32), s * xd[b + 1], o);                                    \
-            off += m * xd[b + 1] * (float)xs[b + 1];                                                       \
+            __m256i p = LANES(w + b * BYTES, xq + b * 32, xs[b], &s);                                      \
+            e = fma_lanes(p, s * xd[b], e);                                                                \
+            p = LANES(w + (b + 1) * BYTES, xq + (b + 1) * 32, xs[b + 1], &s);                              \
+            o = fma_lanes(p, s * xd[b + 1], o);                                                            \
         }                                                                                                  \
         if (b < nb) {                                                                                      \
-            const __m256i v = BLOCK(w + b * BYTES, &s, &m);                                                \
-            e = fma_lanes(DOT(v, xq + b * 32), s * xd[b], e);                                              \
-            off += m * xd[b] * (float)xs[b];                                                               \
+            const __m256i p = LANES(w + b * BYTES, xq + b * 32, xs[b], &s);                                \
+            e = fma_lanes(p, s * xd[b], e);                                                                \
         }                                                                                                  \
-        return hsum256(_mm256_add_ps(e, o)) + off;                                                         \
+        return hsum256(_mm256_add_ps(e, o));                                                               \
     }
-ROW_32(row_q4_0, 18, block_q4_0, dot32_s8)
-ROW_32(row_q4_1, 20, block_q4_1, dot32_u8)
-ROW_32(row_q5_0, 22, block_q5_0, dot32_s8)
-ROW_32(row_q5_1, 24, block_q5_1, dot32_u8)
+/* the same with a float offset per block: offset * xd * xs, two chains (even / odd) */
+#define ROW_32_OFF(NAME, BYTES, LANES)                                                                    \
+    static float NAME(const uint8_t *w, const int16_t *xq, const float *xd, const int32_t *xs, int64_t nb) { \
+        __m256 e = _mm256_setzero_ps(), o = _mm256_setzero_ps();                                           \
+        float s, m, off_e = 0.0f, off_o = 0.0f;                                                            \
+        int64_t b = 0;                                                                                     \
+        for (; b + 2 <= nb; b += 2) {                                                                      \
+            __m256i p = LANES(w + b * BYTES, xq + b * 32, &s, &m);                                         \
+            e = fma_lanes(p, s * xd[b], e);                                                                \
+            off_e += m * xd[b] * (float)xs[b];                                                             \
+            p = LANES(w + (b + 1) * BYTES, xq + (b + 1) * 32, &s, &m);                                     \
+            o = fma_lanes(p, s * xd[b + 1], o);                                                            \
+            off_o += m * xd[b + 1] * (float)xs[b + 1];                                                     \
+        }                                                                                                  \
+        if (b < nb) {                                                                                      \
+            const __m256i p = LANES(w + b * BYTES, xq + b * 32, &s, &m);                                   \
+            e = fma_lanes(p, s * xd[b], e);                                                                \
+            off_e += m * xd[b] * (float)xs[b];                                                             \
+        }                                                                                                  \
+        return hsum256(_mm256_add_ps(e, o)) + (off_e + off_o);                                             \
+    }
+ROW_32(row_q4_0, 18, lanes_q4_0)
+ROW_32_OFF(row_q4_1, 20, lanes_q4_1)
+ROW_32(row_q5_0, 22, lanes_q5_0)
+ROW_32_OFF(row_q5_1, 24, lanes_q5_1)
 
 /* Q4_K's 8 (scale, min) pairs of 6 bits from its 12 scale bytes (ggml's get_scale_min_k4) */
 static inline void q4_k_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
@@ -210,14 +260,12 @@ static float row_q6_k(const uint8_t *w, const int16_t *xq, const float *xd, cons
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-/* With AVX-512 (the dev machine's Zen 4; the build targets -march=native), the K types: 32 bytes of a
- * 64-weight chunk go straight to 32 int16 lanes of one zmm (no byte stage), and one madd covers a block;
- * the combined scales (and Q4_K's offsets) of a super-block are formed 8 at a time. Same integer sums as the
- * AVX2 loops above. Measured against them (M = 1, one thread, 640 x 2048, one run next to a busy core): Q4_K
- * 0.6x, Q6_K 0.85x the time.
- * (The 32-block formats measured no faster with zmm, nor with 256-bit AVX-512VL lane masks for Q5_0's fifth
- * bits, so they keep the AVX2 loops.) */
-
+/* With AVX-512 (the dev machine's Zen 4; the build targets -march=native), Q4_K: 32 bytes of a 64-weight
+ * chunk go straight to 32 int16 lanes of one zmm (no byte stage), one madd covers a block, and the
+ * combined scales and offsets of a super-block are formed 8 at a time. Same integer sums as the AVX2 loop.
+ * Measured against it (M = 1, one thread, 640 x 2048, fastest of 64 cold calls): 0.76x the time. (Q6_K
+ * with zmm measured the same as its AVX2 loop, and the 32-block types' zmm loops no faster than their
+ * 256-bit ones with AVX-512VL lane masks: they keep those.) */
 /* acc + (32 int16 values . 32 int16 activations, as 16 exact int32 pair sums) * s */
 static inline __m512 fma_block512(__m512i v, const int16_t *x, float s, __m512 acc) {
     const __m512i p = _mm512_madd_epi16(v, _mm512_loadu_si512((const void *)x));
@@ -252,40 +300,6 @@ static float row512_q4_k(const uint8_t *w, const int16_t *xq, const float *xd, c
     return _mm512_reduce_add_ps(_mm512_add_ps(e, o)) - hsum256(offv);
 }
 
-/* Q6_K: per half, ql's 64 bytes and qh's 32 as int16 lanes once; block k takes low (k < 2) or high nibbles
- * of ql[(k & 1) * 32 ..] and bits 2k, 2k + 1 of qh; lanes 0-7 of the madd are sub-block 2k, 8-15 2k + 1 */
-static float row512_q6_k(const uint8_t *w, const int16_t *xq, const float *xd, const int32_t *xs, int64_t nb) {
-    (void)xs;
-    __m512 e = _mm512_setzero_ps(), o = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi16(0x0F), m3 = _mm512_set1_epi16(3), k32 = _mm512_set1_epi16(32);
-    for (int64_t b0 = 0; b0 < nb; b0 += 8, w += 210) {
-        const float d = fp16_at(w + 208);
-        const __m128i sc16 = _mm_loadu_si128((const __m128i *)(w + 192)); /* 16 int8 scales */
-        float c[16];
-        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc16))));
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = w + 64 * h;
-            const __m512i lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)ql));
-            const __m512i hi = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32)));
-            const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
-            for (int k = 0; k < 4; k++) {
-                const int64_t b = b0 + 4 * h + k;
-                const __m512i src = (k & 1) ? hi : lo;
-                const __m512i nib = k < 2 ? _mm512_and_si512(src, m4) : _mm512_srli_epi16(src, 4);
-                const __m512i top = _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), m3);
-                const __m512i v = _mm512_sub_epi16(_mm512_or_si512(nib, _mm512_slli_epi16(top, 4)), k32);
-                const __m512i p = _mm512_madd_epi16(v, _mm512_loadu_si512((const void *)(xq + b * 32)));
-                const float *cs = c + 8 * h + 2 * k;
-                const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(cs[0] * xd[b]), _mm512_set1_ps(cs[1] * xd[b]));
-                if (k & 1)
-                    o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, o);
-                else
-                    e = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, e);
-            }
-        }
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(e, o));
-}
 #endif
 
 typedef float (*gguf_row_fn)(const uint8_t *, const int16_t *, const float *, const int32_t *, int64_t);
@@ -294,7 +308,6 @@ typedef float (*gguf_row_fn)(const uint8_t *, const int16_t *, const float *, co
 static inline gguf_row_fn gguf_row(int64_t type) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (type == T_Q4_K) return row512_q4_k;
-    if (type == T_Q6_K) return row512_q6_k;
 #endif
     switch (type) {
     case T_Q4_0: return row_q4_0;
@@ -346,20 +359,25 @@ static void gguf_dequantize_row(int64_t type, const uint8_t *w, int64_t K, float
         return;
     }
     const int64_t bytes = gguf_row_bytes(type, 32);
+    const int sign = type == T_Q4_0 || type == T_Q5_0;
     for (int64_t i = 0; i < K; i += 32) {
         const uint8_t *blk = w + i / 32 * bytes;
-        float s, m;
-        __m256i v;
-        switch (type) {
-        case T_Q4_0: v = block_q4_0(blk, &s, &m); break;
-        case T_Q4_1: v = block_q4_1(blk, &s, &m); break;
-        case T_Q5_0: v = block_q5_0(blk, &s, &m); break;
-        default: v = block_q5_1(blk, &s, &m); break;
+        const int five = type == T_Q5_0 || type == T_Q5_1;
+        const int qs_at = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+        __m256i half[2];
+        nibbles16(blk + qs_at, &half[0], &half[1]);
+        if (five) add_fifth_bits(blk + (type == T_Q5_0 ? 2 : 4), &half[0], &half[1]);
+        const float d = fp16_at(blk), m = sign ? 0.0f : fp16_at(blk + 2);
+        const __m256i off = _mm256_set1_epi16(type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0);
+        for (int h = 0; h < 2; h++) { /* as numpy: d * (q - off) for the signed types, d * q + m for the others */
+            const __m256i v = _mm256_sub_epi16(half[h], off);
+            for (int j = 0; j < 2; j++) {
+                const __m128i v8 = j ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v8)), _mm256_set1_ps(d));
+                if (!sign) f = _mm256_add_ps(f, _mm256_set1_ps(m));
+                _mm256_storeu_ps(out + i + 16 * h + 8 * j, f);
+            }
         }
-        uint8_t u[32];
-        _mm256_storeu_si256((__m256i *)u, v);
-        const int sign = type == T_Q4_0 || type == T_Q5_0;
-        for (int l = 0; l < 32; l++) out[i + l] = s * (float)(sign ? (int8_t)u[l] : u[l]) + m;
     }
 }
 
