@@ -124,6 +124,9 @@ def load_or_estimate_bias(path: Path, estimate, bundled: Path | None = BUNDLED) 
         except (ValueError, KeyError) as e:
             log.warning("bias cache %s unreadable (%s): recomputing", path, e)
     shipped = bundled_curves(bundled).get(path.stem) if bundled is not None else None
+    if shipped is None:  # the first debiased question then waits for it: say so
+        log.warning("estimating the position bias curve %s (once per model, weight format, passage count and "
+                    "attention mode; 10 s to 2 minutes on a small CPU)", path.stem)
     bias = torch.tensor(shipped) if shipped is not None else estimate()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per process: two estimating at once never mix

@@ -61,7 +61,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     xb = x.float().reshape(m, k // QK, QK)  # (M, B, 32)
     amax = xb.abs().amax(-1)  # (M, B)
-    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    # a correctly rounded division, as the kernel's (`32767.0 / amax` is torch's reciprocal-then-multiply,
+    # one ulp off at times, and x * inv lands exactly on .5 for ~1 in 500 values: a different int16)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xb * inv[..., None]).to(torch.int16).reshape(m, k)
     return xq, amax / 32767.0
 

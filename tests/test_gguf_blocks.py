@@ -63,6 +63,17 @@ def test_kernel_matches_the_reference(ggml_type, m):
     assert float((y.double() - exact).abs().max()) <= 2e-4 * scale
 
 
+@pytest.mark.parametrize("ggml_type", [t for t in TYPES if C.GGUF_BLOCK_TYPES[t][1] == 32])
+@pytest.mark.parametrize("k", [32, 96, 800])
+def test_odd_block_counts(ggml_type, k):
+    # the row loops take blocks two at a time: 1, 3 and 25 blocks leave one for the tail
+    blocks = random_blocks(ggml_type, 9, k, seed=k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(k))
+    ref = C.linear_gguf_reference(x, blocks, ggml_type)
+    assert float((C.linear_gguf(x, blocks, ggml_type) - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert torch.equal(C.dequantize_gguf(blocks, ggml_type, k), C.dequantize_gguf_reference(blocks, ggml_type, k))
+
+
 def test_avx2_build_agrees_with_the_native_build(avx2_kernel_lib):
     # the K types have AVX-512 row loops chosen at compile time; the AVX2-only build (-mno-avx512f) must give
     # the same products (fp32 rounding apart)
