@@ -558,6 +558,7 @@ class LongDocQA:
 
     def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0, att_cfg):
         from ldqa.attention.generate import SamplingConfig, continue_generation
+        from ldqa.attention.threads import decode_threads
 
         llm = self.llm
         cfg = SamplingConfig(max_new_tokens=max_new, stop_strings=STOP_STRINGS)
@@ -572,7 +573,7 @@ class LongDocQA:
                 settings["attention_used"] = built.mode_used
                 settings["fallback_reason"] = built.fallback_reason
             gen = continue_generation(built.runner, built.context.cache, built.context.logits, llm.tokenizer.decode,
-                                      llm.tokenizer.eos_ids, cfg, t0=t_start)
+                                      llm.tokenizer.eos_ids, cfg, t0=t_start, threads=decode_threads())
             for _, delta in gen:
                 yield delta
             if debias == "buckets":

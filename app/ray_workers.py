@@ -205,10 +205,14 @@ def reachable(probe_path: str) -> bool:
 
 
 def set_threads(threads: int, seed: int | None = None) -> None:
-    """A worker's torch threads (also those of ldqa's q8_0 kernel) and, if given, its torch seed."""
+    """A worker's torch threads (also those of ldqa's q8_0 kernel; decode keeps them: $LDQA_DECODE_THREADS)
+    and, if given, its torch seed."""
+    import os
+
     import torch
 
     torch.set_num_threads(threads)
+    os.environ["LDQA_DECODE_THREADS"] = str(threads)  # the worker's share of the cores, not the governor's
     if seed is not None:
         torch.manual_seed(seed)
 

@@ -11,6 +11,7 @@ import torch
 from ldqa.attention.kv_cache import KVCache
 from ldqa.attention.model import Transformer
 from ldqa.attention.quant import WeightFormatError
+from ldqa.attention.threads import DecodeThreads, timed_step
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -137,7 +138,9 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
 
 @dataclass
 class Generation:
-    """A running generation: iterate over it for (token_id, text_delta) pairs; `stats` fills as it goes."""
+    """A running generation: iterate over it for (token_id, text_delta) pairs; `stats` fills as it goes.
+    `threads`: a `DecodeThreads` choosing each decode step's thread count by measurement, a fixed count, or
+    None to leave torch's thread count alone (the app passes `threads.decode_threads()`)."""
 
     model: Transformer
     decode_fn: object
@@ -149,6 +152,7 @@ class Generation:
     t0: float
     token_ids: list = field(default_factory=list)
     text: str = ""
+    threads: DecodeThreads | int | None = None
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         gen = torch.Generator().manual_seed(self.cfg.seed) if self.cfg.seed is not None else None
@@ -185,7 +189,8 @@ class Generation:
                 self.stats.stop_reason = "max_new_tokens"
                 break
             pos = torch.tensor([self.cache.next_position()])
-            logits = self.model(torch.tensor([[tok]]), pos, self.cache)
+            with timed_step(self.threads):
+                logits = self.model(torch.tensor([[tok]]), pos, self.cache)
         if len(self.text) > sent:  # ended by EOS or the length cap: the held-back tail is answer text
             yield (self.token_ids[-1] if self.token_ids else -1), self.text[sent:]
         if t_first is not None:
@@ -209,14 +214,14 @@ def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
 
 
 def continue_generation(model: Transformer, cache: KVCache, logits: torch.Tensor, decode_fn, eos_ids,
-                        cfg: SamplingConfig, t0: float) -> Generation:
+                        cfg: SamplingConfig, t0: float, threads: DecodeThreads | int | None = None) -> Generation:
     """A Generation whose prompt is already in `cache` and whose next-token `logits` (1, 1, vocab) are
-    known (Block-Attention's assembled prefill). TTFT counts from `t0`. Raises WeightFormatError for a
-    model cast to float16 (`check_model_dtype`); iterating raises NonFiniteLogitsError when the logits of
-    the prefill or of a decode step hold NaN/inf."""
+    known (Block-Attention's assembled prefill). TTFT counts from `t0`; threads: see `Generation`. Raises
+    WeightFormatError for a model cast to float16 (`check_model_dtype`); iterating raises
+    NonFiniteLogitsError when the logits of the prefill or of a decode step hold NaN/inf."""
     check_model_dtype(model)
     stats = GenerationStats(prompt_tokens=cache.length, prefill_ms=(time.perf_counter() - t0) * 1000)
-    return Generation(model, decode_fn, set(eos_ids), cfg, cache, logits, stats, t0)
+    return Generation(model, decode_fn, set(eos_ids), cfg, cache, logits, stats, t0, threads=threads)
 
 
 def start_generation(model: Transformer, prompt_ids: list[int], decode_fn, eos_ids, cfg: SamplingConfig,

@@ -1,0 +1,159 @@
+"""How many threads a decode step runs on, chosen by measurement while decoding.
+
+Why: a decode step of a small model is ~80 short parallel regions (the C kernel's matmuls, attention),
+each ending in a barrier. On an idle machine two threads decode ~25% faster than one (docs/results.md,
+issue 30). When another process occupies one of the cores, every barrier waits for the thread the OS has
+descheduled: a fresh-clone check measured 0.8-1.4 tokens/s with torch's default two threads against 30-44
+with one (session 26). No setting is right for both machines, and the load changes while ldqa runs.
+
+`DecodeThreads` measures it: it starts on one thread, probes the other count (the most, or 1) for a few
+steps after `first_probe` steps and then every `probe_every` steps, and keeps the count whose recent steps
+had the lower median time; a count that keeps losing is probed less and less often (see the class).
+Idle machine: after the first probe, decode runs on all cores; the probes then cost ~1% of decode time.
+Busy machine: it stays on one thread, and a probe of two threads ends after one slow step.
+One instance per process (`decode_threads()`): what it learned carries over to the next answer.
+
+Off (the thread count is left alone) when the user chose one: $OMP_NUM_THREADS or $LDQA_DECODE_THREADS
+set (a number: that many threads for decode; `auto`: this governor even so), or `torch.set_num_threads`
+called with anything else than the process's starting count (Ray workers, benchmarks pinning threads).
+With q8_0 and gguf weights the answers do not depend on it (the C kernels compute each output the same
+way on any number of threads: tests/test_threads.py); torch's own matmuls (fp32, bf16, int8, int4) may
+round differently on another thread count.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from collections import deque
+
+import torch
+
+FIRST_PROBE = 4  # decode steps before the first probe
+PROBE_EVERY = 32  # steps between probes (doubled after each probe the other count loses, up to MAX_BACKOFF x)
+PROBE_STEPS = 2  # steps per probe on the other thread count
+WINDOW = 6  # recent step times kept per thread count
+MAX_BACKOFF = 16
+GIVE_UP = 2.0  # a probe step this many times slower than the best's median ends the probe at once
+
+
+class DecodeThreads:
+    """Picks the decode thread count between `most` and 1 by measured step time (see the module).
+
+    Use per decode step: `n = threads()` (the count for this step; the caller sets it), time the step,
+    `record(n, seconds)`. One generation at a time per process (the runtime's lock).
+    `most`: the largest count (torch's starting thread count); 1: nothing to choose.
+    Starts on one thread: a probe of the slower count costs little when one thread is slower (a few ms a
+    step on an idle machine) and a lot when it is the faster (a barrier per parallel region waits for a
+    descheduled thread: ~10x a step), so the costly case is probed less and less often while it keeps
+    losing (the interval doubles up to MAX_BACKOFF x `probe_every`) and a probe step that is GIVE_UP x
+    slower than the current choice ends its probe at once.
+    """
+
+    def __init__(self, most: int, first_probe: int = FIRST_PROBE, probe_every: int = PROBE_EVERY,
+                 probe_steps: int = PROBE_STEPS, window: int = WINDOW):
+        if most < 1 or probe_steps < 1 or probe_every <= probe_steps or first_probe < 0:
+            raise ValueError(f"DecodeThreads: most={most}, first_probe={first_probe}, probe_every={probe_every}, "
+                             f"probe_steps={probe_steps} (need most >= 1, probe_every > probe_steps >= 1)")
+        self.most, self.best = most, 1
+        self.probe_every, self.probe_steps = probe_every, probe_steps
+        self.times = {most: deque(maxlen=window), 1: deque(maxlen=window)}
+        self.steps = 0
+        self.next_probe, self.interval, self.probe_left, self.probe = first_probe, probe_every, 0, []
+        self.switches = 0  # times `best` changed (reported by benchmarks)
+
+    @property
+    def other(self) -> int:
+        return 1 if self.best != 1 else self.most
+
+    def threads(self) -> int:
+        """The thread count for the next decode step."""
+        if self.most == 1:
+            return 1
+        if self.probe_left == 0 and self.steps >= self.next_probe:
+            self.probe_left = self.probe_steps
+        return self.other if self.probe_left else self.best
+
+    def record(self, threads: int, seconds: float) -> None:
+        """One decode step's wall time (s) on `threads` threads; after a probe, re-choose."""
+        self.steps += 1
+        if threads not in self.times or self.most == 1:
+            return
+        best_times = self.times[self.best]
+        if self.probe_left and threads == self.other:
+            self.times[threads].append(seconds)
+            self.probe.append(seconds)
+            self.probe_left -= 1
+            if best_times and seconds > GIVE_UP * statistics.median(best_times):
+                self.probe_left = 0  # clearly slower: do not spend the probe's other steps on it
+            if self.probe_left == 0:
+                self._choose()
+        else:
+            best_times.append(seconds)
+
+    def _choose(self) -> None:
+        # the probe's fastest step against the current count's recent median: a probe's first step may pay
+        # for waking the other threads, and a wrong switch is undone by the next probe
+        a, probe, self.probe = self.times[self.best], self.probe, []
+        if a and probe and min(probe) < statistics.median(a):
+            self.best, self.interval = self.other, self.probe_every
+            self.switches += 1
+        else:
+            self.interval = min(self.interval * 2, MAX_BACKOFF * self.probe_every)
+        self.next_probe = self.steps + self.interval
+
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def decode_threads() -> DecodeThreads | int | None:
+    """What decode steps run on (`Generation.threads`): the process's governor; an int, $LDQA_DECODE_THREADS
+    when it holds a number; None (torch's thread count as it is) when the count is the user's otherwise:
+    $OMP_NUM_THREADS set, or torch's thread count changed since this function was first called.
+    Raises ValueError for an $LDQA_DECODE_THREADS that is neither a number >= 1 nor `auto`."""
+    env = os.environ.get("LDQA_DECODE_THREADS", "").strip().lower()
+    if env and env != "auto":
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"$LDQA_DECODE_THREADS={env!r}: set a thread count (1, 2, ...) or 'auto', or unset it")
+        return int(env)
+    with _lock:
+        if "start" not in _state:
+            _state["start"] = torch.get_num_threads()
+        if env != "auto" and (os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads() != _state["start"]):
+            return None
+        if "gov" not in _state:
+            _state["gov"] = DecodeThreads(_state["start"])
+        return _state["gov"]
+
+
+def reset() -> None:
+    """Forget the governor and the starting thread count (tests)."""
+    with _lock:
+        _state.clear()
+
+
+class timed_step:
+    """Context manager around one decode step on `threads` (see `decode_threads`): a governor's count for
+    this step (its time recorded), a fixed count, or None (as it is); torch's count is restored after."""
+
+    def __init__(self, threads: DecodeThreads | int | None):
+        self.gov = threads if isinstance(threads, DecodeThreads) else None
+        self.fixed = threads if isinstance(threads, int) else None
+
+    def __enter__(self):
+        self.prev = torch.get_num_threads()
+        self.n = self.fixed or (self.gov.threads() if self.gov else self.prev)
+        if self.n != self.prev:
+            torch.set_num_threads(self.n)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.gov is not None and exc[0] is None:
+            self.gov.record(self.n, time.perf_counter() - self.t0)
+        if self.n != self.prev:
+            torch.set_num_threads(self.prev)
+        return False

@@ -1,0 +1,104 @@
+"""Decode speed with a fixed thread count against the decode thread governor (`ldqa.attention.threads`), on an
+idle machine and next to a busy core, side by side in one process.
+
+    python -m ldqa.eval.bench_threads [--weights q8_0] [--length 1416] [--new-tokens 64] [--repeats 3]
+                                      [--hogs 0,1] [--out out/bench-threads]
+
+For each number of hogs (busy-loop processes started for the measurement and stopped after it: 1 is
+"another job on one of the cores") and each repetition, in a shuffled order: greedy decode of
+`--new-tokens` tokens after the same prompt (`bench_runtime.prompt_ids`, the bundled sample) on torch's
+default thread count, on one thread, and with the governor (a fresh `DecodeThreads` per run, so each run
+pays its own probes). Reports decode tokens/s (median of the repetitions, and each), the governor's final
+choice, and whether the three runs gave the same tokens. Writes `OUT/bench-threads.json`. The load
+average is printed: with other jobs on the machine the idle rows are not idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _hog(stop) -> None:  # a busy loop until told to stop (one core's worth of another job)
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+def _decode(lm, ids, new_tokens, threads):
+    from ldqa.attention.generate import SamplingConfig, start_generation
+
+    gen = start_generation(lm.model, ids, lm.tokenizer.decode, [], SamplingConfig(max_new_tokens=new_tokens))
+    gen.threads = threads
+    for _ in gen:
+        pass
+    return gen.token_ids, gen.stats.tokens_per_s
+
+
+def main(argv=None) -> int:
+    from ldqa.attention.loader import load_model
+    from ldqa.attention.threads import DecodeThreads
+    from ldqa.eval.bench_runtime import prompt_ids
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--weights", default="q8_0")
+    ap.add_argument("--length", type=int, default=1416)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hogs", default="0,1", help="busy processes beside the measurement, comma-separated")
+    ap.add_argument("--out", type=Path, default=Path("out/bench-threads"))
+    args = ap.parse_args(argv)
+    most = torch.get_num_threads()
+    lm = load_model(args.model, weights=args.weights)
+    ids = prompt_ids(lm.tokenizer, args.length)
+    configs = {f"{most} threads": lambda: None, "1 thread": lambda: 1, "governor": lambda: DecodeThreads(most)}
+    rows = []
+    print(f"load average {os.getloadavg()[0]:.1f}; torch threads {most}; {args.model} {args.weights}; "
+          f"prompt {len(ids)} tokens, {args.new_tokens} new")
+    for hogs in (int(h) for h in args.hogs.split(",")):
+        stop = mp.Event()
+        procs = [mp.Process(target=_hog, args=(stop,), daemon=True) for _ in range(hogs)]
+        for p in procs:
+            p.start()
+        time.sleep(0.5 if hogs else 0)
+        try:
+            res = {name: [] for name in configs}
+            for rep in range(args.repeats):
+                order = list(configs)
+                random.Random(rep).shuffle(order)
+                for name in order:
+                    threads = configs[name]()
+                    toks, tps = _decode(lm, ids, args.new_tokens, threads)
+                    choice = threads.best if isinstance(threads, DecodeThreads) else threads or most
+                    res[name].append((tps, toks, choice))
+                    print(f"hogs {hogs} rep {rep} {name}: {tps:.1f} tok/s (decode on {choice})", flush=True)
+        finally:
+            stop.set()
+            for p in procs:
+                p.join()
+        first = next(iter(res.values()))[0][1]
+        for name, runs in res.items():
+            rows.append(dict(hogs=hogs, config=name, tok_s=statistics.median(r[0] for r in runs),
+                             tok_s_each=[round(r[0], 2) for r in runs], final_threads=[r[2] for r in runs],
+                             same_tokens=all(r[1] == first for r in runs)))
+    print("| busy processes beside | decode on | tokens/s (median) | each | final thread count | same tokens |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['hogs']} | {r['config']} | {r['tok_s']:.1f} | {' / '.join(map(str, r['tok_s_each']))} | "
+              f"{' / '.join(map(str, r['final_threads']))} | {r['same_tokens']} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench-threads.json").write_text(json.dumps(dict(rows=rows, load=os.getloadavg()[0], threads=most,
+                                                                 model=args.model, weights=args.weights), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""The decode thread governor (attention/threads.py): its choice under simulated step times (no clock is
+read), the settings that turn it off, and answers that do not depend on the thread count."""
+
+import pytest
+import torch
+
+from ldqa.attention import threads as T
+
+
+def _run(gov, cost, steps):
+    """Drive `gov` for `steps` decode steps whose time on n threads is cost(n); returns the counts used."""
+    used = []
+    for _ in range(steps):
+        n = gov.threads()
+        used.append(n)
+        gov.record(n, cost(n))
+    return used
+
+
+def test_busy_core_keeps_decode_on_one_thread_and_probes_ever_less():
+    gov = T.DecodeThreads(2, first_probe=4, probe_every=32, probe_steps=2)
+    used = _run(gov, lambda n: 0.250 if n == 2 else 0.025, 400)  # two threads 10x slower (a descheduled one)
+    assert used[:4] == [1] * 4 and used[4:6] == [2, 1]  # the first probe: one slow step ends it
+    probes = [i for i, n in enumerate(used) if n == 2]
+    assert len(probes) <= 5 and all(b - a > 32 for a, b in zip(probes, probes[1:]))  # 32, 64, 128, 256 apart
+    assert gov.best == 1 and gov.switches == 0
+
+
+def test_idle_machine_moves_to_all_cores_after_the_first_probe():
+    gov = T.DecodeThreads(2, first_probe=4, probe_every=32, probe_steps=2)
+    used = _run(gov, lambda n: 0.021 if n == 2 else 0.026, 400)
+    assert used[:4] == [1] * 4 and used[4:6] == [2, 2] and set(used[6:36]) == {2}
+    assert gov.best == 2 and gov.switches == 1
+    assert used.count(1) <= 4 + 2 * (1 + 400 // 32)  # the start, then only probes
+
+
+def test_a_slow_first_probe_step_does_not_hide_the_faster_count():
+    # the first step on two threads pays for waking them: the probe's fastest step counts
+    gov = T.DecodeThreads(2, first_probe=2, probe_every=32, probe_steps=2)
+    times = iter([0.026, 0.026, 0.040, 0.021] + [0.021] * 50)
+    _run(gov, lambda n: next(times), 20)
+    assert gov.best == 2
+
+
+def test_it_follows_the_load_when_it_changes():
+    gov = T.DecodeThreads(2, first_probe=0, probe_every=8, probe_steps=2, window=4)
+    _run(gov, lambda n: 0.02 if n == 2 else 0.03, 24)  # idle: two threads
+    assert gov.best == 2
+    _run(gov, lambda n: 0.25 if n == 2 else 0.03, 24)  # another job starts: one thread
+    assert gov.best == 1
+    _run(gov, lambda n: 0.02 if n == 2 else 0.03, 8 * 16 * 2)  # it ended: back to two, within the backoff
+    assert gov.best == 2
+
+
+def test_one_thread_machines_and_bad_settings():
+    assert _run(T.DecodeThreads(1), lambda n: 1.0, 50) == [1] * 50
+    with pytest.raises(ValueError, match="probe_every > probe_steps"):
+        T.DecodeThreads(2, probe_every=2, probe_steps=2)
+
+
+def test_the_user_s_thread_count_turns_it_off(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LDQA_DECODE_THREADS", raising=False)
+    before = torch.get_num_threads()
+    T.reset()
+    try:
+        assert isinstance(T.decode_threads(), T.DecodeThreads)
+        monkeypatch.setenv("LDQA_DECODE_THREADS", "1")
+        assert T.decode_threads() == 1  # a fixed count for decode
+        monkeypatch.setenv("LDQA_DECODE_THREADS", "two")
+        with pytest.raises(ValueError, match="LDQA_DECODE_THREADS='two'"):
+            T.decode_threads()
+        monkeypatch.setenv("LDQA_DECODE_THREADS", "auto")
+        assert isinstance(T.decode_threads(), T.DecodeThreads)
+        monkeypatch.delenv("LDQA_DECODE_THREADS")
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert T.decode_threads() is None
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        torch.set_num_threads(before + 1)  # someone (a Ray worker, a benchmark) chose a count
+        assert T.decode_threads() is None
+    finally:
+        torch.set_num_threads(before)
+        T.reset()
+
+
+def test_timed_step_sets_and_restores_the_count():
+    before = torch.get_num_threads()
+    gov = T.DecodeThreads(before + 1, first_probe=0, probe_every=4, probe_steps=1)  # probes the most first
+    with T.timed_step(gov) as step:
+        assert torch.get_num_threads() == step.n == before + 1
+    assert torch.get_num_threads() == before and len(gov.times[before + 1]) == 1
+    with T.timed_step(3):
+        assert torch.get_num_threads() == 3
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "gguf"])
+def test_answers_do_not_depend_on_the_thread_count(weights, monkeypatch):
+    # the C kernels give every output the same way on any thread count: a generation whose steps
+    # alternate between 1 and 2 threads gives the logits of one on 1 thread, bit for bit
+    from ldqa.attention.generate import SamplingConfig, start_generation
+    from ldqa.attention.loader import load_model
+
+    lm = load_model("smollm2-135m", weights=weights)
+    ids = lm.tokenizer.encode("Question: what is the boiling point of water at sea level? Answer:")
+
+    def tokens_and_logits(threads):
+        gen = start_generation(lm.model, ids, lm.tokenizer.decode, [], SamplingConfig(max_new_tokens=12))
+        gen.threads = threads
+        steps = []
+        real = gen.model
+
+        def spy(*a, **k):
+            out = real(*a, **k)
+            steps.append(out[0, -1].clone())
+            return out
+        gen.model = spy
+        list(gen)
+        return gen.token_ids, torch.stack(steps)
+
+    before = torch.get_num_threads()
+    try:
+        toks1, logits1 = tokens_and_logits(1)
+        flip = T.DecodeThreads(2, first_probe=0, probe_every=2, probe_steps=1)  # probes 2 every other step
+        toks2, logits2 = tokens_and_logits(flip)
+    finally:
+        torch.set_num_threads(before)
+    assert toks1 == toks2 and torch.equal(logits1, logits2)
+    assert len(flip.times[1]) > 0 and len(flip.times[2]) > 0
