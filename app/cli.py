@@ -278,20 +278,23 @@ def cmd_demo(args) -> int:
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")
         print_answer_details(ans)
         results.append(ans.to_dict() | {"gold": q["answers"], "correct": ok})
-    if (args.attention, args.debias) != ("full", "none") and not args.no_compare:
-        # the same questions with exact full attention and no debiasing, one line each beside the answers above
-        print(f"\n== the same questions: {setting} | full attention, no debiasing")
-        full_correct = 0
+    # the same questions in a second setting, one line each beside the answers above: exact full attention
+    # without debiasing, or, when that is the setting, block attention with its default debiasing
+    other = ("full", "none") if (args.attention, args.debias) != ("full", "none") else ("block", default_debias("block"))
+    if not args.no_compare:
+        label = f"attention {other[0]}, debias {other[1]}"
+        print(f"\n== the same questions: {setting} | {label}")
+        other_correct = 0
         for q, r in zip(questions, results):
-            ans = qa.ask(q["question"], attention="full", debias="none", **kw)
+            ans = qa.ask(q["question"], attention=other[0], debias=other[1], **kw)
             ok = best_subspan_em(ans.text, q["answers"])
-            full_correct += ok
-            r["full_attention"] = {"text": ans.text, "correct": ok, "ttft_ms": ans.timings.get("ttft_ms"),
-                                   "total_ms": ans.timings.get("total_ms")}
+            other_correct += ok
+            r["compared"] = {"attention": other[0], "debias": other[1], "text": ans.text, "correct": ok,
+                             "ttft_ms": ans.timings.get("ttft_ms"), "total_ms": ans.timings.get("total_ms")}
             print(f"  {_short(q['question'], 34)} | {_cell(r['text'], r['correct'], r['timings'])} "
                   f"| {_cell(ans.text, ok, ans.timings)}")
-        print(f"  correct: {int(correct)}/{len(questions)} ({setting}) | {int(full_correct)}/{len(questions)} "
-              f"(full attention, no debiasing)")
+        print(f"  correct: {int(correct)}/{len(questions)} ({setting}) | {int(other_correct)}/{len(questions)} "
+              f"({label})")
     print(f"\n== {int(correct)}/{len(questions)} answers contain the gold answer (best-subspan EM); "
           f"{setting}; model {qa.model_name}, weights {qa.weights}")
     if args.json:

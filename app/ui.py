@@ -339,7 +339,7 @@ DEFAULT_CHOICE = "default (the mode's measured best)"
 
 def _debias(choice: str | None) -> str | None:
     """The debias dropdown's value as the API takes it: None for `DEFAULT_CHOICE` (`default_debias` of the
-    attention mode: calibrate with full attention, calibrate+reorder in block modes, none with retrieval)."""
+    attention mode: none with full attention, calibrate+reorder in block modes, none with retrieval)."""
     return None if choice in (None, DEFAULT_CHOICE) else choice
 
 

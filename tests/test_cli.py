@@ -107,22 +107,28 @@ def test_cli_calibration_choices_are_ldqas_forms():
     assert ask.parse_args(["q?", "--debias-calibration", "pearson"]).debias_calibration == "pearson"
 
 
-def test_demo_prints_full_attention_beside_another_setting(tmp_path, tiny_model_dir):
-    """`ldqa demo` in a setting other than full/none answers the questions again with full attention and
-    no debiasing and prints one line per question with both answers; --no-compare skips it."""
+def test_demo_prints_a_second_setting_beside_the_first(tmp_path, tiny_model_dir):
+    """`ldqa demo` answers the questions again in a second setting and prints one line per question with
+    both answers: full attention without debiasing, or block attention when that is the first setting;
+    --no-compare skips it."""
     from ldqa.app.api import DEFAULT_ATTENTION, default_debias
 
     model = tiny_model_dir("gemma3")
-    r = _ldqa("demo", "--model", model, "--max-new-tokens", "2", "--store", tmp_path / "s")  # the defaults
-    assert r.returncode == 0, r.stderr
-    setting = f"attention {DEFAULT_ATTENTION}, debias {default_debias(DEFAULT_ATTENTION)}"
-    assert setting != "attention full, debias none"  # the defaults differ from plain full attention
-    side = r.stdout.split(f"== the same questions: {setting} | full attention, no debiasing\n")
-    assert len(side) == 2, r.stdout
-    lines = side[1].splitlines()
     n = len([ln for ln in (SAMPLE.parent / "questions.jsonl").read_text().splitlines() if ln.strip()])
-    assert all(ln.count(" | ") == 2 for ln in lines[:n]), lines[:n]
-    assert lines[n].startswith("  correct: ") and "(full attention, no debiasing)" in lines[n]
+    for i, (extra, first, second) in enumerate([
+        ([], f"attention {DEFAULT_ATTENTION}, debias {default_debias(DEFAULT_ATTENTION)}", None),
+        (["--attention", "block"], "attention block, debias calibrate+reorder", "attention full, debias none"),
+        (["--debias", "none"], "attention full, debias none", "attention block, debias calibrate+reorder")]):
+        if second is None:  # the defaults: compared with whichever of the two they are not
+            second = ("attention block, debias calibrate+reorder" if first == "attention full, debias none"
+                      else "attention full, debias none")
+        r = _ldqa("demo", "--model", model, "--max-new-tokens", "2", *extra, "--store", tmp_path / f"s{i}")
+        assert r.returncode == 0, r.stderr
+        side = r.stdout.split(f"== the same questions: {first} | {second}\n")
+        assert len(side) == 2, r.stdout
+        lines = side[1].splitlines()
+        assert all(ln.count(" | ") == 2 for ln in lines[:n]), lines[:n]
+        assert lines[n].startswith("  correct: ") and f"({second})" in lines[n]
     r = _ldqa("demo", "--model", model, "--max-new-tokens", "2", "--attention", "block", "--no-compare",
               "--store", tmp_path / "s2")
     assert r.returncode == 0, r.stderr
