@@ -172,8 +172,9 @@ class LongDocQA:
         (`save_answer_settings`, kept in the store) or `DEFAULT_MAX_NEW_TOKENS` (64).
     kv_budget_mb : in-memory budget of the KV block store (MB); blocks also persist under <store>/kv.
     weights : the LLM's weight format, "fp32" (reference), "bf16", "int8", "int4", "q8_0" (weight-only
-        quantization, `ldqa.attention.quant`) or "gguf" (a GGUF model's own quantized blocks); None = $LDQA_WEIGHTS or `loader.default_weights()` (q8_0,
-        or int8 where q8_0's CPU kernel cannot be built).
+        quantization, `ldqa.attention.quant`) or "gguf" (a GGUF model's own quantized blocks); None =
+        $LDQA_WEIGHTS or `loader.default_weights(model)` (gguf for a GGUF model, q8_0 for a Hugging Face
+        directory, int8 where their CPU kernel cannot be built).
     kv_dtype : "fp32" (default) or "bf16", the in-memory KV cache's dtype.
 
     The model is checked here, cheaply (no weights read): its file or directory exists and reads, and its
@@ -201,7 +202,7 @@ class LongDocQA:
 
         self.model_name = model or DEFAULT_MODEL
         check_model_name(self.model_name)  # architecture and readability now, not at the first answer
-        self.weights = check_weights(weights or default_weights())
+        self.weights = check_weights(weights or default_weights(self.model_name))
         self.kv_dtype = check_kv_dtype(kv_dtype)
         self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
         self.embedder = Embedder()

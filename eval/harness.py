@@ -1210,7 +1210,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None,
                    help="gemma3-270m (default), smollm2-135m, a .gguf file or a Hugging Face model directory")
     p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0", "gguf"], default=None,
-                   help="the LLM's weight format (default: ldqa's default, q8_0, or int8 where its CPU kernel cannot be built); the hf mode runs transformers in fp32, so compare it with --weights fp32 for exact parity")
+                   help="the LLM's weight format (default: ldqa's default, gguf for a GGUF model, q8_0 for a HF directory); the hf mode runs transformers in fp32, so compare it with --weights fp32 for exact parity")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap (default: per benchmark)")
     p.add_argument("--n-passages", type=int, default=10, help="nq-multidoc: passages per question")
     p.add_argument("--gold-positions", default="default",

@@ -103,7 +103,7 @@ def test_embedding_rows_are_the_heads_weights(fmt):
 
 
 def test_unknown_format_and_group_size_are_refused_by_name():
-    with pytest.raises(WeightFormatError, match="unknown weight format 'int3'.*fp32, bf16, int8, int4, q8_0"):
+    with pytest.raises(WeightFormatError, match="unknown weight format 'int3'.*fp32, bf16, int8, int4, q8_0, gguf"):
         check_format("int3")
     with pytest.raises(WeightFormatError, match="group size 48"):
         check_format("int4", group_size=48)
@@ -118,10 +118,12 @@ def test_weights_env_variable(monkeypatch):
     with pytest.raises(WeightFormatError, match=r"\$LDQA_WEIGHTS='q8'"):
         loader.default_weights()
     monkeypatch.delenv("LDQA_WEIGHTS")
-    assert loader.default_weights() == loader.DEFAULT_WEIGHTS == "q8_0"
-    # where the q8_0 kernel cannot be built, the default is int8 (not q8_0 on its slow reference)
+    assert loader.default_weights() == loader.DEFAULT_WEIGHTS == "gguf"  # the packaged GGUF's own blocks
+    assert loader.default_weights("smollm2-135m") == loader.default_weights("/m/x.gguf") == "gguf"
+    assert loader.default_weights("/models/some-hf-dir") == loader.DEFAULT_WEIGHTS_HF == "q8_0"  # no blocks
+    # where the C kernel cannot be built, the default is int8 (not gguf/q8_0 on the slow reference)
     monkeypatch.setattr(loader.cpu_linear, "available", lambda: False)
-    assert loader.default_weights() == loader.FALLBACK_WEIGHTS == "int8"
+    assert loader.default_weights() == loader.default_weights("/models/some-hf-dir") == "int8"
 
 
 def test_int4_without_the_op_is_refused(monkeypatch):
