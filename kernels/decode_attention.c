@@ -9,89 +9,284 @@
  * Query head h reads KV head h / (H / KV). Scores are q.k * scale, softmax in fp32, rows with no allowed
  * key give zeros (as the torch reference, kernels/reference.attention).
  *
- * Each key and value row is read once for all the query heads that share it (GQA): the cost is reading
- * L * d * 8 bytes per KV head. Two parallel loops (OpenMP, `threads`): scores over keys, then the
- * weighted sum of values, each thread a slice of d over all value rows (its output slice stays in L1); the
- * softmax in between is serial (L exps per query head).
+ * Each key and value row is read once for all the g = H / KV query heads that share it (GQA): the cost is
+ * reading L * d * 8 bytes per KV head. Two parallel loops (OpenMP, `threads`): the scores over keys, then
+ * the weighted sum of values, each thread a slice of d; the softmax in between is serial and vectorized
+ * (exp256 below). For g = 1, 2, 4, 8 the loops are compiled per g (`G`): the g score sums of a key and the
+ * g x CW output values of a slice of CW dims stay in registers for the whole pass over the keys (the
+ * generic loop, any g <= 16, keeps them in memory: issue 30 measured it ~3x slower at g = 4, d = 256).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "simd.h"
 
 #define MAX_GROUP 16 /* query heads per KV head */
 
+/* e^x for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial, 2^n built in
+ * the exponent bits); within ~2 ulp of expf over [-87, 88]; below -87 it gives 0 (softmax weights only ever
+ * take x <= 0) */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, x), x, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    /* 2^n: n in [-126, 127] after the clamp */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* s (L, g) -> softmax weights per query head (column), in place; inv[r] = 1 / the sum of column r's
+ * exps (0 for a column of -inf: its weights become 0). Serial. */
+static void softmax_columns(float *s, int64_t L, int64_t g, float *inv) {
+    for (int64_t r = 0; r < g; r++) {
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; j++) mx = s[j * g + r] > mx ? s[j * g + r] : mx;
+        if (mx == -INFINITY) { /* nothing to attend to: zeros */
+            for (int64_t j = 0; j < L; j++) s[j * g + r] = 0.0f;
+            inv[r] = 0.0f;
+            continue;
+        }
+        float sum = 0.0f;
+        if (g == 1) { /* contiguous column: 8 at a time */
+            const __m256 m8 = _mm256_set1_ps(mx);
+            __m256 acc = _mm256_setzero_ps();
+            int64_t j = 0;
+            for (; j + 8 <= L; j += 8) {
+                const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+                _mm256_storeu_ps(s + j, e);
+                acc = _mm256_add_ps(acc, e);
+            }
+            sum = hsum256(acc);
+            for (; j < L; j++) sum += s[j] = expf(s[j] - mx);
+        } else {
+            for (int64_t j = 0; j < L; j++) sum += s[j * g + r] = expf(s[j * g + r] - mx);
+        }
+        inv[r] = 1.0f / sum;
+    }
+}
+
+/* Tiled single pass for g = G query heads per KV head (G = 1, 2, 4, 8; d a multiple of 8 * NV): each
+ * thread takes a contiguous range of keys in tiles of TILE; per tile, the scores of its keys (two keys at a
+ * time: 2G independent FMA chains; the tile's value rows are prefetched meanwhile), their exps against
+ * the running max (online softmax: the running sums are rescaled when the max grows), then the weighted
+ * sum of the tile's value rows into the thread's (G, d) sums, slices of 8 * NV dims held in registers over
+ * the tile. The threads' partial results are merged by their log-sum-exp (flash-decoding, Dao et al.
+ * 2023). Reading K and V cold from memory (decode: every weight of a step passes through the caches
+ * between two visits of a layer's KV) is most of the time, and the hardware prefetcher alone fetched them
+ * at ~8 GB/s: the score loop asks for the key rows K_AHEAD ahead and for the tile's value rows.
+ * Measured (issue 30, session 27; g = 4, d = 256, one thread, K/V cold, C harness): L = 512 ~90 us and
+ * L = 1416 ~240 us per call, against ~140 / ~320 for two parallel loops with a serial softmax. */
+#define TILE 32    /* keys per tile: their value rows (32 KB at d = 256) fit in L1 */
+#define K_AHEAD 32 /* key rows ahead that the score loop asks into L1 (a prefetch past the end never faults) */
+#define ATTEND_G(G, NV)                                                                                         \
+    static void attend_##G(const float *qh, const float *kh, const float *vh, int64_t L, int64_t d,            \
+                           const uint8_t *mask, float scale, float *part, int nt) {                             \
+        _Pragma("omp parallel num_threads(nt)")                                                                 \
+        {                                                                                                       \
+            const int t = omp_get_thread_num(), n = omp_get_num_threads();                                      \
+            const int64_t ntile = (L + TILE - 1) / TILE;                                                        \
+            const int64_t j0 = TILE * (ntile * t / n), j1e = TILE * (ntile * (t + 1) / n);                      \
+            const int64_t j1 = j1e < L ? j1e : L;                                                               \
+            float *acc = part + (int64_t)t * (G * d + 2 * G), *mx = acc + G * d, *sum = mx + G;                 \
+            for (int64_t i = 0; i < G * d; i++) acc[i] = 0.0f;                                                  \
+            for (int r = 0; r < G; r++) mx[r] = -INFINITY, sum[r] = 0.0f;                                       \
+            float s[TILE * G] __attribute__((aligned(32)));                                                     \
+            for (int64_t a = j0; a < j1; a += TILE) {                                                           \
+                const int64_t nk = j1 - a < TILE ? j1 - a : TILE;                                               \
+                for (int64_t p = 0; p < nk; p += 2) {                                                           \
+                    const float *k0 = kh + (a + p) * d, *k1 = p + 1 < nk ? k0 + d : k0;                         \
+                    __m256 a0[G], a1[G];                                                                        \
+                    for (int r = 0; r < G; r++) a0[r] = a1[r] = _mm256_setzero_ps();                            \
+                    for (int64_t i = 0; i < d; i += 8) {                                                        \
+                        _mm_prefetch((const char *)(k0 + K_AHEAD * d + 2 * i), _MM_HINT_T0);                    \
+                        _mm_prefetch((const char *)(vh + (a + p) * d + 2 * i), _MM_HINT_T0);                    \
+                        const __m256 x0 = _mm256_loadu_ps(k0 + i), x1 = _mm256_loadu_ps(k1 + i);                \
+                        for (int r = 0; r < G; r++) {                                                           \
+                            const __m256 q8 = _mm256_loadu_ps(qh + r * d + i);                                  \
+                            a0[r] = _mm256_fmadd_ps(q8, x0, a0[r]);                                             \
+                            a1[r] = _mm256_fmadd_ps(q8, x1, a1[r]);                                             \
+                        }                                                                                       \
+                    }                                                                                           \
+                    for (int r = 0; r < G; r++) {                                                               \
+                        s[p * G + r] = mask && !mask[a + p] ? -INFINITY : hsum256(a0[r]) * scale;               \
+                        if (p + 1 < nk)                                                                         \
+                            s[(p + 1) * G + r] = mask && !mask[a + p + 1] ? -INFINITY : hsum256(a1[r]) * scale; \
+                    }                                                                                           \
+                }                                                                                               \
+                for (int64_t i = nk * G; i < TILE * G; i++) s[i] = -INFINITY;                                   \
+                /* online softmax: the new running max per head; the old sums rescaled by exp(old - new) */     \
+                float alpha[G], m8[8];                                                                          \
+                int any = 0, grow = 0;                                                                          \
+                for (int r = 0; r < G; r++) {                                                                   \
+                    float m = mx[r];                                                                            \
+                    for (int64_t j = 0; j < nk; j++) m = s[j * G + r] > m ? s[j * G + r] : m;                   \
+                    alpha[r] = m == mx[r] ? 1.0f : (mx[r] == -INFINITY ? 0.0f : expf(mx[r] - m));               \
+                    grow |= m != mx[r];                                                                         \
+                    any |= m != -INFINITY;                                                                      \
+                    mx[r] = m;                                                                                  \
+                }                                                                                               \
+                if (!any) continue; /* every key so far masked */                                               \
+                for (int i = 0; i < 8; i++) m8[i] = mx[i % G] == -INFINITY ? 0.0f : mx[i % G];                  \
+                const __m256 mv = _mm256_loadu_ps(m8);                                                          \
+                __m256 tot = _mm256_setzero_ps();                                                               \
+                for (int64_t i = 0; i < TILE * G; i += 8) {                                                     \
+                    const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + i), mv));                          \
+                    _mm256_store_ps(s + i, e);                                                                  \
+                    tot = _mm256_add_ps(tot, e);                                                                \
+                }                                                                                               \
+                float lanes[8];                                                                                 \
+                _mm256_storeu_ps(lanes, tot);                                                                   \
+                for (int r = 0; r < G; r++) {                                                                   \
+                    float ts = 0.0f;                                                                            \
+                    for (int i = r; i < 8; i += G) ts += lanes[i];                                              \
+                    sum[r] = sum[r] * alpha[r] + ts;                                                            \
+                }                                                                                               \
+                for (int64_t c = 0; c < d; c += 8 * NV) {                                                       \
+                    __m256 o[G][NV];                                                                            \
+                    for (int r = 0; r < G; r++) {                                                               \
+                        const __m256 f = _mm256_set1_ps(alpha[r]);                                              \
+                        for (int u = 0; u < NV; u++) {                                                          \
+                            o[r][u] = _mm256_loadu_ps(acc + r * d + c + 8 * u);                                 \
+                            if (grow) o[r][u] = _mm256_mul_ps(o[r][u], f);                                      \
+                        }                                                                                       \
+                    }                                                                                           \
+                    const float *vc = vh + a * d + c;                                                           \
+                    for (int64_t j = 0; j < nk; j++) {                                                          \
+                        if (mask && !mask[a + j]) continue;                                                     \
+                        __m256 v8[NV];                                                                          \
+                        for (int u = 0; u < NV; u++) v8[u] = _mm256_loadu_ps(vc + j * d + 8 * u);               \
+                        for (int r = 0; r < G; r++) {                                                           \
+                            const __m256 w = _mm256_set1_ps(s[j * G + r]);                                      \
+                            for (int u = 0; u < NV; u++) o[r][u] = _mm256_fmadd_ps(w, v8[u], o[r][u]);          \
+                        }                                                                                       \
+                    }                                                                                           \
+                    for (int r = 0; r < G; r++)                                                                 \
+                        for (int u = 0; u < NV; u++) _mm256_storeu_ps(acc + r * d + c + 8 * u, o[r][u]);        \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+ATTEND_G(1, 4)
+ATTEND_G(2, 4)
+ATTEND_G(4, 4)
+ATTEND_G(8, 2)
+
+/* out (g, d) = the merge of nt partial results (acc (g, d), max (g,), sum (g,) each, as attend_G leaves
+ * them) by their log-sum-exp; a head with no allowed key anywhere gets zeros */
+static void merge_parts(const float *part, int nt, int64_t g, int64_t d, float *out) {
+    const int64_t stride = g * d + 2 * g;
+    for (int64_t r = 0; r < g; r++) {
+        float m = -INFINITY;
+        for (int t = 0; t < nt; t++) m = part[t * stride + g * d + r] > m ? part[t * stride + g * d + r] : m;
+        float w[64], tot = 0.0f;
+        for (int t = 0; t < nt; t++) {
+            const float mt = part[t * stride + g * d + r];
+            w[t] = mt == -INFINITY ? 0.0f : expf(mt - m);
+            tot += w[t] * part[t * stride + g * d + g + r];
+        }
+        const float inv = m == -INFINITY ? 0.0f : 1.0f / tot;
+        for (int64_t i = 0; i < d; i++) {
+            float x = 0.0f;
+            for (int t = 0; t < nt; t++) x += w[t] * part[t * stride + r * d + i];
+            out[r * d + i] = x * inv;
+        }
+    }
+}
+
+/* any g <= MAX_GROUP: sums in memory */
+static void scores_any(const float *qh, const float *kh, int64_t L, int64_t d, int64_t g, const uint8_t *mask,
+                       float scale, float *s, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < L; j++) {
+        if (mask && !mask[j]) {
+            for (int64_t r = 0; r < g; r++) s[j * g + r] = -INFINITY;
+            continue;
+        }
+        const float *kj = kh + j * d;
+        __m256 acc[MAX_GROUP];
+        for (int64_t r = 0; r < g; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 kv8 = _mm256_loadu_ps(kj + i);
+            for (int64_t r = 0; r < g; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + r * d + i), kv8, acc[r]);
+        }
+        for (int64_t r = 0; r < g; r++) s[j * g + r] = hsum256(acc[r]) * scale;
+    }
+}
+
+static void values_any(const float *s, const float *vh, int64_t L, int64_t d, int64_t g, const uint8_t *mask,
+                       const float *inv, float *oh, int threads) {
+    const int64_t nv = d / 8;
+    const int nt = threads < 1 ? 1 : (threads > nv ? (int)nv : threads);
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int t = 0; t < nt; t++) {
+        const int64_t c0 = 8 * (nv * t / nt), c1 = 8 * (nv * (t + 1) / nt);
+        for (int64_t r = 0; r < g; r++)
+            for (int64_t i = c0; i < c1; i++) oh[r * d + i] = 0.0f;
+        for (int64_t j = 0; j < L; j++) {
+            if (mask && !mask[j]) continue;
+            const float *vj = vh + j * d;
+            for (int64_t r = 0; r < g; r++) {
+                const __m256 w8 = _mm256_set1_ps(s[j * g + r]);
+                float *o = oh + r * d;
+                for (int64_t i = c0; i < c1; i += 8)
+                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + i), _mm256_loadu_ps(o + i)));
+            }
+        }
+        for (int64_t r = 0; r < g; r++) {
+            const __m256 s8 = _mm256_set1_ps(inv[r]);
+            for (int64_t i = c0; i < c1; i += 8)
+                _mm256_storeu_ps(oh + r * d + i, _mm256_mul_ps(_mm256_loadu_ps(oh + r * d + i), s8));
+        }
+    }
+}
 
 int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_t H, int64_t KV, int64_t L,
                           int64_t d, int64_t hs, const uint8_t *mask, float scale, float *out, int threads) {
     if (KV <= 0 || H % KV || H / KV > MAX_GROUP || d % 8) return 1;
     const int64_t g = H / KV;
+    /* the tiled pass takes d in slices of 32 dims (16 for g = 8); at most one thread per TILE keys */
+    if ((g == 1 || g == 2 || g == 4 || g == 8) && d % (g == 8 ? 16 : 32) == 0) {
+        const int64_t ntile = (L + TILE - 1) / TILE;
+        int nt = threads < 1 ? 1 : threads > 64 ? 64 : threads;
+        if (nt > ntile) nt = ntile > 0 ? (int)ntile : 1;
+        float *part = malloc(nt * (g * d + 2 * g) * sizeof(float));
+        if (!part) return 2;
+        for (int64_t kvh = 0; kvh < KV; kvh++) {
+            const float *kh = k + kvh * hs, *vh = v + kvh * hs, *qh = q + kvh * g * d;
+            switch (g) {
+            case 1: attend_1(qh, kh, vh, L, d, mask, scale, part, nt); break;
+            case 2: attend_2(qh, kh, vh, L, d, mask, scale, part, nt); break;
+            case 4: attend_4(qh, kh, vh, L, d, mask, scale, part, nt); break;
+            default: attend_8(qh, kh, vh, L, d, mask, scale, part, nt); break;
+            }
+            merge_parts(part, nt, g, d, out + kvh * g * d);
+        }
+        free(part);
+        return 0;
+    }
     float *s = malloc((L > 0 ? L : 1) * g * sizeof(float)); /* (L, g): scores, then weights */
     if (!s) return 2;
     for (int64_t kvh = 0; kvh < KV; kvh++) {
         const float *kh = k + kvh * hs, *vh = v + kvh * hs, *qh = q + kvh * g * d;
-        float *oh = out + kvh * g * d;
-        /* scores: one pass over the keys, every query head of the group at once */
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t j = 0; j < L; j++) {
-            if (mask && !mask[j]) {
-                for (int64_t r = 0; r < g; r++) s[j * g + r] = -INFINITY;
-                continue;
-            }
-            const float *kj = kh + j * d;
-            __m256 acc[MAX_GROUP];
-            for (int64_t r = 0; r < g; r++) acc[r] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d; i += 8) {
-                const __m256 kv8 = _mm256_loadu_ps(kj + i);
-                for (int64_t r = 0; r < g; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + r * d + i), kv8, acc[r]);
-            }
-            for (int64_t r = 0; r < g; r++) s[j * g + r] = hsum256(acc[r]) * scale;
-        }
-        /* softmax per query head (serial: L exps per head) */
         float inv[MAX_GROUP];
-        for (int64_t r = 0; r < g; r++) {
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < L; j++) mx = s[j * g + r] > mx ? s[j * g + r] : mx;
-            if (mx == -INFINITY) { /* nothing to attend to: zeros */
-                for (int64_t j = 0; j < L; j++) s[j * g + r] = 0.0f;
-                inv[r] = 0.0f;
-                continue;
-            }
-            float sum = 0.0f;
-            for (int64_t j = 0; j < L; j++) {
-                const float e = expf(s[j * g + r] - mx);
-                s[j * g + r] = e;
-                sum += e;
-            }
-            inv[r] = 1.0f / sum;
-        }
-        /* out = weights . values: thread t sums a slice of d over every value row (rows read in order) */
-        const int64_t nv = d / 8;
-        const int nt = threads < 1 ? 1 : (threads > nv ? (int)nv : threads);
-#pragma omp parallel for schedule(static) num_threads(nt)
-        for (int t = 0; t < nt; t++) {
-            const int64_t c0 = 8 * (nv * t / nt), c1 = 8 * (nv * (t + 1) / nt);
-            for (int64_t r = 0; r < g; r++)
-                for (int64_t i = c0; i < c1; i++) oh[r * d + i] = 0.0f;
-            for (int64_t j = 0; j < L; j++) {
-                const float *vj = vh + j * d;
-                for (int64_t r = 0; r < g; r++) {
-                    const float w = s[j * g + r];
-                    if (w == 0.0f) continue; /* masked (or underflowed) keys add nothing */
-                    const __m256 w8 = _mm256_set1_ps(w);
-                    float *o = oh + r * d;
-                    for (int64_t i = c0; i < c1; i += 8)
-                        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + i), _mm256_loadu_ps(o + i)));
-                }
-            }
-            for (int64_t r = 0; r < g; r++) {
-                const __m256 s8 = _mm256_set1_ps(inv[r]);
-                for (int64_t i = c0; i < c1; i += 8)
-                    _mm256_storeu_ps(oh + r * d + i, _mm256_mul_ps(_mm256_loadu_ps(oh + r * d + i), s8));
-            }
-        }
+        scores_any(qh, kh, L, d, g, mask, scale, s, threads);
+        softmax_columns(s, L, g, inv);
+        values_any(s, vh, L, d, g, mask, inv, out + kvh * g * d, threads);
     }
     free(s);
     return 0;

@@ -180,28 +180,38 @@ def test_failed_build_and_damaged_library(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
-@pytest.mark.parametrize("heads,kv_heads,L", [(4, 1, 512), (4, 1, 1416), (8, 2, 7), (2, 2, 1), (16, 1, 300),
-                                              (6, 3, 65)])
-def test_decode_attention_matches_the_reference(heads, kv_heads, L):
+@pytest.mark.parametrize("heads,kv_heads,L,d", [(4, 1, 512, 256), (4, 1, 1416, 256), (8, 2, 7, 64), (2, 2, 1, 64),
+                                                (16, 1, 300, 256), (6, 3, 65, 64), (8, 1, 100, 256), (4, 1, 70, 40),
+                                                (1, 1, 33, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_matches_the_reference(heads, kv_heads, L, d, threads):
+    # g = heads / kv_heads of 1, 2, 4, 8 with d a multiple of 32 take the tiled pass (tiles of 32 keys, split
+    # between threads, merged by log-sum-exp); the others (g = 16, d = 40) the generic loops
     from ldqa.kernels import dispatch, reference
 
     g = torch.Generator().manual_seed(L + heads)
-    d = 256 if L > 100 else 64
     cap = L + 21  # a slice of a larger cache, as the model passes it (rows contiguous, heads strided)
     kc, vc = torch.randn(1, kv_heads, cap, d, generator=g), torch.randn(1, kv_heads, cap, d, generator=g)
     k, v = kc[:, :, 5:5 + L], vc[:, :, 5:5 + L]
     q = torch.randn(1, heads, 1, d, generator=g) * 3
     some = torch.rand(1, L, generator=g) > 0.4
     some[0, -1] = True
-    for mask in (None, some, torch.zeros(1, L, dtype=torch.bool)):
-        assert C.decode_attention_fits(q, k, v, mask)
-        want = reference.attention(q, k, v, mask=mask, scale=0.07)
-        got = C.decode_attention(q, k, v, mask, 0.07)
-        assert got.shape == want.shape == (1, heads, 1, d)
-        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), mask
-        # the model's entry point takes this path
-        assert torch.equal(dispatch.attention(q, k, v, mask=mask, scale=0.07), got)
-    assert torch.equal(C.decode_attention(q, k, v, torch.zeros(1, L, dtype=torch.bool), 0.07), torch.zeros_like(q))
+    late = torch.zeros(1, L, dtype=torch.bool)  # whole tiles (and the first thread's keys) masked
+    late[0, 2 * L // 3:] = True
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for mask in (None, some, late, torch.zeros(1, L, dtype=torch.bool)):
+            assert C.decode_attention_fits(q, k, v, mask)
+            want = reference.attention(q, k, v, mask=mask, scale=0.07)
+            got = C.decode_attention(q, k, v, mask, 0.07)
+            assert got.shape == want.shape == (1, heads, 1, d)
+            assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), mask
+            # the model's entry point takes this path
+            assert torch.equal(dispatch.attention(q, k, v, mask=mask, scale=0.07), got)
+        assert torch.equal(C.decode_attention(q, k, v, torch.zeros(1, L, dtype=torch.bool), 0.07), torch.zeros_like(q))
+    finally:
+        torch.set_num_threads(old)
 
 
 def test_decode_attention_declines_what_it_does_not_take():
