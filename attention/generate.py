@@ -12,6 +12,7 @@ from ldqa.attention.kv_cache import KVCache
 from ldqa.attention.model import Transformer
 from ldqa.attention.quant import WeightFormatError
 from ldqa.attention.threads import DecodeThreads, timed_step
+from ldqa.kernels import cpu_linear
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -125,9 +126,10 @@ class GenerationStats:
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
-    """Pick the next token from logits (vocab,): argmax when temperature is 0, else top-p sampling."""
+    """Pick the next token from logits (vocab,): argmax when temperature is 0 (the C kernel's on the CPU,
+    the first index on ties as torch.argmax), else top-p sampling."""
     if cfg.temperature == 0:
-        return int(torch.argmax(logits))
+        return cpu_linear.argmax(logits)
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
     if cfg.top_p < 1.0:
         p_sorted, idx = torch.sort(probs, descending=True)

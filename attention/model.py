@@ -282,6 +282,8 @@ class Transformer(nn.Module):
         self._freqs = {}  # (theta, scaling) -> inv_freq float64
         self.kv_dtype = torch.float32  # dtype of new KV caches (the loader sets it: fp32 or bf16)
         self.weight_format = "fp32"  # set by the loader (quant.WEIGHT_FORMATS)
+        # cpu_linear.DecodeStack when every layer is fused (quant.fuse_decode): `_stack_step`
+        self.decode_stack = None
 
     def freqs_for(self, layer: int, theta_scale: float = 1.0) -> torch.Tensor:
         """RoPE inverse frequencies (head_dim/2,) float64 of `layer`; `theta_scale` multiplies the RoPE
@@ -326,6 +328,11 @@ class Transformer(nn.Module):
         such a pass at layer j: layers below j are skipped and must already hold these tokens' K/V (and
         positions) in `cache`'s next slots, as `n_layers=j` leaves them. A pass split this way is the same
         computation, bit for bit, as one pass. Raises ValueError for a `start` layer out of range."""
+        if (self.decode_stack is not None and slots is None and n_layers is None and start is None
+                and tokens.shape == (1, 1)):
+            logits = self._stack_step(tokens, positions, cache)
+            if logits is not None:
+                return logits
         if start is None:
             first, x = 0, self.embed(tokens)  # (b, n, hidden)
         else:
@@ -349,4 +356,37 @@ class Transformer(nn.Module):
             cache.advance(tokens.shape[1])
         if not all_logits:
             x = x[:, -1:]
+        return self.lm_head(self.model.norm(x)).float()
+
+    def _stack_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None):
+        """One decode token through every layer in one C call (`cpu_linear.DecodeStack`) -> logits
+        (1, 1, vocab), or None when this step needs the per-layer path: no cache or a cache that is not a plain
+        fp32 KVCache of one sequence, a policy on it (retrieval attention, debiasing), LDQA_KERNELS=torch, or
+        positions that are not ascending with the new one last (then a mask is needed, which the stack does
+        not take). Where it runs it computes what the per-layer path computes, bit for bit: every layer
+        attends to all cached keys (global layers) or the last `sliding_window` positions (sliding layers)."""
+        if (type(cache) is not KVCache or cache.policy is not None or positions.numel() != 1
+                or cache._k[0].dtype != torch.float32 or cache._k[0].shape[0] != 1 or cache._k[0].device.type != "cpu"
+                or not cache._k[0].is_contiguous() or dispatch._forced() == "torch"):
+            return None
+        p, n0 = int(positions[0]), cache.length
+        k_pos = cache._pos[:n0]
+        if n0 and (int(k_pos[-1]) >= p or not _ascending(k_pos)):
+            return None
+        lo_sliding = 0
+        if self.cfg.sliding_window and "sliding" in self.cfg.layer_types:
+            lo_sliding = int(torch.searchsorted(k_pos, p - self.cfg.sliding_window + 1))
+        x = self.embed(tokens).float().contiguous()  # (1, 1, hidden)
+        cache._grow(n0 + 1)
+        cache._pos[n0] = p
+        rope, per_layer = {}, []
+        for i in range(len(self.model.layers)):
+            f = self.freqs_for(i, cache.theta_scale)
+            if id(f) not in rope:
+                cos, sin = rope_cos_sin(positions, f, torch.float32)
+                rope[id(f)] = (cos.contiguous(), sin.contiguous())
+            per_layer.append(rope[id(f)])
+        lo = [lo_sliding if kind == "sliding" else 0 for kind in self.cfg.layer_types]
+        self.decode_stack.run(x, cache._k, cache._v, per_layer, lo, n0)
+        cache.advance(1)
         return self.lm_head(self.model.norm(x)).float()

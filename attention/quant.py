@@ -439,8 +439,10 @@ def _fusable(layer: nn.Module, cfg) -> bool:
 
 def fuse_decode(model: nn.Module) -> int:
     """Give every decoder layer whose linear layers are all q8_0 or gguf (on the CPU) a `FusedDecode`, when
-    the C kernel is available (else nothing changes). Returns the number of layers fused. `unfuse_decode`
-    undoes it (the module path: same weights, ~100 torch ops per layer)."""
+    the C kernel is available (else nothing changes); when every layer is fused, the model also gets a
+    `cpu_linear.DecodeStack` (`model.decode_stack`: a whole decode step's layers in one C call, where the
+    step allows it, `Transformer._stack_step`). Returns the number of layers fused. `unfuse_decode` undoes
+    it (the module path: same weights, ~100 torch ops per layer)."""
     if not cpu_linear.available():
         return 0
     n = 0
@@ -448,10 +450,16 @@ def fuse_decode(model: nn.Module) -> int:
         if _fusable(layer, model.cfg):
             layer.fused = FusedDecode(layer, model.cfg)
             n += 1
+    cfg = model.cfg
+    if n and n == len(model.model.layers):
+        model.decode_stack = cpu_linear.DecodeStack([layer.fused.kernel for layer in model.model.layers],
+                                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                                    cfg.attn_scale)
     return n
 
 
 def unfuse_decode(model: nn.Module) -> None:
     """Decode through the modules again (for side-by-side benchmarks and tests)."""
+    model.decode_stack = None
     for layer in model.model.layers:
         layer.fused = None

@@ -29,8 +29,10 @@ from ldqa.eval.bench_runtime import prompt_ids, write_report
 
 # the fused q8_0 decode calls (quant.FusedDecode) count as matmuls: their norms, RoPE and activation are a
 # small part of them (a few thousand values per layer against the weight rows)
+# (the whole layer stack in one call, ldqa::decode_stack, counts here too: its decode attention inside it)
 MATMUL_OPS = ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::addmm", "aten::mm",
-              "aten::linear", "ldqa::linear_q8_0", "ldqa::decode_attn_in", "ldqa::decode_attn_out")
+              "aten::linear", "ldqa::linear_q8_0", "ldqa::decode_attn_in", "ldqa::decode_attn_out",
+              "ldqa::decode_stack")
 ATTENTION_OPS = ("aten::bmm", "ldqa::decode_attention")  # torch's products, or ldqa's C decode attention
 
 

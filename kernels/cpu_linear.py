@@ -199,6 +199,10 @@ def _build() -> ctypes.CDLL:
     lib.ldqa_decode_attn_out.restype = ctypes.c_int
     lib.ldqa_decode_attention.argtypes = [p, p, p, i64, i64, i64, i64, i64, p, f32, p, i32]
     lib.ldqa_decode_attention.restype = ctypes.c_int
+    lib.ldqa_decode_stack.argtypes = [p, i64, p, i64, i64, i64, i64, f32, i64, i64, f32, i32]
+    lib.ldqa_decode_stack.restype = ctypes.c_int
+    lib.ldqa_argmax.argtypes = [p, i64]
+    lib.ldqa_argmax.restype = i64
     return lib
 
 
@@ -413,6 +417,69 @@ class DecodeLayer:
                   *self._out_args, out.data_ptr(), torch.get_num_threads())
         _check(rc, "decode_attn_out")
         return out
+
+
+class StackLayer(ctypes.Structure):
+    """One layer's part of `ldqa_decode_stack` (`ldqa_layer` in q8_0.c): the weights and norms of a
+    `DecodeLayer`, and per step the layer's KV cache (k_cache, v_cache: (kv_heads, capacity, head_dim)
+    float32), RoPE cos/sin (head_dim,) float32 at the token's position, and lo, the first slot attended."""
+    _fields_ = [("norm_w", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("qnorm_w", ctypes.c_void_p), ("knorm_w", ctypes.c_void_p), ("wo", ctypes.c_void_p),
+                ("attn_norm_w", ctypes.c_void_p), ("ff_norm_w", ctypes.c_void_p), ("ff_out_norm_w", ctypes.c_void_p),
+                ("gu", ctypes.c_void_p), ("inter", ctypes.c_int64), ("act", ctypes.c_int64), ("wd", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("lo", ctypes.c_int64)]
+
+
+class DecodeStack:
+    """All decoder layers of one decode step (one token of one sequence) in one C call
+    (`ldqa_decode_stack`): per layer `DecodeLayer.attn_in`, the new k and v written into the layer's KV
+    cache, `decode_attention` over cache slots [lo, slot] without a mask, `DecodeLayer.attn_out` -- the same
+    C functions in the same order as the per-layer path, so the same numbers bit for bit
+    (tests/test_fused_decode.py); what it removes is the Python between them (~0.1 ms a layer, a tenth of
+    Gemma 3 270M's decode step: docs/results.md, issue 30 session 27).
+
+    layers: the model's `DecodeLayer`s in order (kept alive); n_heads, n_kv, head_dim as theirs; scale
+    multiplies q.k. Needs `available()`.
+    """
+
+    def __init__(self, layers: list, n_heads: int, n_kv: int, head_dim: int, eps: float, scale: float):
+        self._keep = list(layers)
+        self.n_layers = len(self._keep)
+        self._c = (StackLayer * self.n_layers)()
+        for c, lay in zip(self._c, self._keep):
+            norm_w, _eps, qkv, bias, _h, _kv, _d, qn, kn = lay._in_args
+            wo, an, fn, fon, _eps2, gu, inter, act, wd = lay._out_args
+            c.norm_w, c.qkv, c.bias, c.qnorm_w, c.knorm_w = norm_w, qkv, bias, qn, kn
+            c.wo, c.attn_norm_w, c.ff_norm_w, c.ff_out_norm_w = wo, an, fn, fon
+            c.gu, c.inter, c.act, c.wd = gu, inter, act, wd
+        self.hidden = self._keep[0].hidden
+        self._args = (n_heads, n_kv, head_dim, eps)
+        self.scale = scale
+        self._fn = _lib().ldqa_decode_stack
+
+    def run(self, x: torch.Tensor, k_caches: list, v_caches: list, rope: list, lo: list, slot: int) -> None:
+        """x: (..., hidden) float32 contiguous holding the token's hidden state entering layer 0; changed in
+        place to the one leaving the last layer. k_caches[i], v_caches[i]: layer i's cache (1, kv_heads,
+        capacity, head_dim) float32 contiguous; rope[i]: (cos, sin) float32 contiguous head_dim values;
+        lo[i]: first slot attended (0 <= lo <= slot); slot: where the token's k, v are written
+        (< capacity). Raises ValueError/MemoryError when the kernel refuses."""
+        for c, k, v, (cos, sin), first in zip(self._c, k_caches, v_caches, rope, lo):
+            c.k_cache, c.v_cache, c.cos, c.sin, c.lo = k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), first
+        rc = _run("ldqa::decode_stack", self._fn, ctypes.addressof(self._c), self.n_layers, x.data_ptr(), self.hidden,
+                  *self._args, k_caches[0].shape[2], slot, self.scale, torch.get_num_threads())
+        _check(rc, "decode_stack")
+
+
+def argmax(x: torch.Tensor) -> int:
+    """The index of the largest value of x (n,) float32 contiguous on the CPU, the first on ties, as
+    torch.argmax (x must hold no NaN: `generate.check_finite_logits` runs first): the C kernel's AVX2 pass,
+    ~20x torch's for Gemma 3's 262,144 logits; torch.argmax where the kernel is not available."""
+    lib = _state["lib"] if "lib" in _state else _lib()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() != 1 \
+            or not x.numel():
+        return int(torch.argmax(x))
+    return int(lib.ldqa_argmax(x.data_ptr(), x.numel()))
 
 
 # --------------------------------------------------------------------------- decode attention

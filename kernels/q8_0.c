@@ -34,6 +34,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "gguf_blocks.h"
 #include "simd.h"
@@ -351,4 +352,98 @@ done:
     free(h);
     free(gu);
     return rc;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * A whole decode step's decoder layers in one call (one token of one sequence, batch 1): per layer
+ * ldqa_decode_attn_in, the new k and v written into the layer's KV cache at `slot`, ldqa_decode_attention
+ * over cache slots [lo, slot] (no mask: the caller checked that every one of them may be attended), and
+ * ldqa_decode_attn_out. The same calls, in the same order, as the per-layer path (quant.FusedDecode +
+ * Attention.attend), so the same numbers bit for bit; what it removes is Python between them (~0.1 ms a
+ * layer: issue 30, session 27). Shared with Python (cpu_linear.StackLayer). */
+typedef struct {
+    const float *norm_w;      /* input RMSNorm multiplier (hidden,) */
+    const ldqa_mat *qkv;      /* 3 matrices */
+    const float *bias;        /* (n_heads + 2 n_kv) * d or NULL */
+    const float *qnorm_w;     /* (d,) or NULL */
+    const float *knorm_w;     /* (d,) or NULL */
+    const ldqa_mat *wo;
+    const float *attn_norm_w; /* or NULL */
+    const float *ff_norm_w;
+    const float *ff_out_norm_w; /* or NULL */
+    const ldqa_mat *gu;       /* 2 matrices */
+    int64_t inter;
+    int64_t act;
+    const ldqa_mat *wd;
+    float *k_cache;           /* (n_kv, cap, d): this layer's keys */
+    float *v_cache;           /* (n_kv, cap, d) */
+    const float *cos;         /* (d,) RoPE at the token's position, this layer's base */
+    const float *sin;
+    int64_t lo;               /* first cache slot attended */
+} ldqa_layer;
+
+int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_t H, int64_t KV, int64_t L,
+                          int64_t d, int64_t hs, const uint8_t *mask, float scale, float *out, int threads);
+
+/* x (hidden,) in place: the token's hidden state entering layer 0 -> leaving the last layer. cap: the
+ * caches' capacity (slots per KV head), slot < cap: where this token's k, v go, lo <= slot per layer.
+ * Returns 0, 1 for a bad K / type / slot, 2 for no memory. */
+int ldqa_decode_stack(const ldqa_layer *layers, int64_t n_layers, float *x, int64_t hidden, int64_t n_heads,
+                      int64_t n_kv, int64_t d, float eps, int64_t cap, int64_t slot, float scale, int threads) {
+    if (slot < 0 || slot >= cap) return 1;
+    const int64_t nq = n_heads * d, nkv = n_kv * d;
+    float *qkv = malloc((nq + 2 * nkv) * sizeof(float)), *attn = malloc(nq * sizeof(float));
+    float *y = malloc(hidden * sizeof(float));
+    int rc = 2;
+    if (!qkv || !attn || !y) goto done;
+    for (int64_t i = 0; i < n_layers; i++) {
+        const ldqa_layer *l = layers + i;
+        if (l->lo < 0 || l->lo > slot) { rc = 1; goto done; }
+        if ((rc = ldqa_decode_attn_in(x, hidden, l->norm_w, eps, l->qkv, l->bias, n_heads, n_kv, d, l->qnorm_w,
+                                      l->knorm_w, l->cos, l->sin, qkv, threads)))
+            goto done;
+        for (int64_t h = 0; h < n_kv; h++) {
+            memcpy(l->k_cache + (h * cap + slot) * d, qkv + nq + h * d, d * sizeof(float));
+            memcpy(l->v_cache + (h * cap + slot) * d, qkv + nq + nkv + h * d, d * sizeof(float));
+        }
+        if ((rc = ldqa_decode_attention(qkv, l->k_cache + l->lo * d, l->v_cache + l->lo * d, n_heads, n_kv,
+                                        slot + 1 - l->lo, d, cap * d, NULL, scale, attn, threads)))
+            goto done;
+        if ((rc = ldqa_decode_attn_out(x, attn, hidden, nq, l->wo, l->attn_norm_w, l->ff_norm_w, l->ff_out_norm_w,
+                                       eps, l->gu, l->inter, (int)l->act, l->wd, y, threads)))
+            goto done;
+        memcpy(x, y, hidden * sizeof(float));
+    }
+    rc = 0;
+done:
+    free(qkv);
+    free(attn);
+    free(y);
+    return rc;
+}
+
+/* the index of the largest of x[0 .. n) (the first one on ties; n >= 1, no NaN: the caller checks the
+ * logits are finite): greedy decoding's pick, 8 lanes at a time */
+int64_t ldqa_argmax(const float *x, int64_t n) {
+    int64_t i = 0, best = 0;
+    float m = x[0];
+    if (n >= 16) {
+        __m256 mv = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mv);
+        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+        for (; i < n; i++) m = x[i] > m ? x[i] : m;
+        const __m256 target = _mm256_set1_ps(m);
+        for (i = 0; i + 8 <= n; i += 8) {
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+            if (hit) return i + __builtin_ctz(hit);
+        }
+        for (; i < n; i++)
+            if (x[i] == m) return i;
+        return best;
+    }
+    for (i = 1; i < n; i++)
+        if (x[i] > m) m = x[i], best = i;
+    return best;
 }

@@ -117,3 +117,80 @@ def test_every_attention_mode_answers_the_same_fused_and_not(tmp_path, tiny_mode
     finally:
         quant.fuse_decode(model)
     assert fused == plain
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_stack_computes_what_the_layer_by_layer_calls_compute(tiny_model_dir, family):
+    # model.decode_stack (cpu_linear.DecodeStack): every layer of a decode step in one C call; the same C
+    # functions in the same order as FusedDecode + Attention.attend, so the logits are equal bit for bit
+    # (gemma3's tiny sliding window, 16, is crossed: its sliding layers attend to a moving slice)
+    lm = loader.load_model(str(tiny_model_dir(family)), weights="q8_0")
+    model = lm.model
+    assert model.decode_stack is not None
+    prompt = torch.randint(3, model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            calls = []
+            real = model._stack_step
+            model._stack_step = lambda *a: calls.append(1) or real(*a)
+            toks_s, logits_s = _decode(model, prompt, 24)
+            del model._stack_step
+            assert len(calls) == 24  # every decode step took the stack
+            stack, model.decode_stack = model.decode_stack, None
+            try:
+                toks_l, logits_l = _decode(model, prompt, 24)
+            finally:
+                model.decode_stack = stack
+            assert toks_s == toks_l
+            assert torch.equal(logits_s, logits_l)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_decode_stack_steps_aside_where_a_step_needs_more(tiny_model_dir):
+    from ldqa.attention.kv_cache import KVCache
+
+    lm = loader.load_model(str(tiny_model_dir("gemma3")), weights="q8_0")
+    model = lm.model
+    prompt = torch.arange(3, 23).view(1, -1)
+
+    def prefilled(**kw):
+        cache = model.new_cache()
+        model(prompt, torch.arange(20), cache)
+        for k, v in kw.items():
+            setattr(cache, k, v)
+        return cache
+
+    class Normal:  # a policy that keeps the layers' normal attention
+        def forward(self, *args):
+            return None
+
+    tok = torch.tensor([[7]])
+    # a cache of another dtype, with a policy, or positions that would need a mask: the per-layer path
+    model.kv_dtype = torch.bfloat16
+    try:
+        assert model._stack_step(tok, torch.tensor([20]), prefilled()) is None
+    finally:
+        model.kv_dtype = torch.float32
+    assert model._stack_step(tok, torch.tensor([20]), prefilled(policy=Normal())) is None
+    assert model._stack_step(tok, torch.tensor([19]), prefilled()) is None  # not after the last position
+    assert model._stack_step(tok, torch.tensor([20]), prefilled()) is not None
+    # ... and those steps still decode (through the layers), as before
+    cache = prefilled()
+    out = model(tok, torch.tensor([19]), cache)
+    assert out.shape == (1, 1, model.cfg.vocab_size) and cache.length == 21
+    assert type(cache) is KVCache
+
+
+def test_argmax_is_torchs():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 15, 16, 17, 1000, 262144):
+        x = torch.randn(n, generator=g)
+        assert cpu_linear.argmax(x) == int(torch.argmax(x)), n
+        x[n // 3] = x[n - 1] = float(x.max()) + 1  # ties: the first index, as torch
+        assert cpu_linear.argmax(x) == int(torch.argmax(x)) == n // 3 if n > 1 else True
+    assert cpu_linear.argmax(torch.full((40,), float("-inf"))) == 0
+    assert cpu_linear.argmax(torch.tensor([-0.0, 0.0] * 10)) == 0
+    assert cpu_linear.argmax(torch.arange(30.0).flip(0)[::2]) == 0  # not contiguous: torch.argmax
