@@ -6,19 +6,29 @@ The first directory is the reference; rows of the eval mode `full` are compared 
 pick another). For each other run: the examples both runs answered (same
 `example_id`), the mean score of each, the paired difference (points) with its standard error, how many
 predictions are word for word the reference's, and the median TTFT and decode tokens/s of each.
-Reads each run's `results.csv` (written by `ldqa eval`).
+Each argument is a run's directory (its `results.csv`, written by `ldqa eval`) or such a file itself,
+plain or gzipped (`docs/data/weights-nq200/*.csv.gz` are the rows of docs/results.md's 200-question
+runs).
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import statistics
 import sys
 from pathlib import Path
 
 
-def _rows(d: Path, mode: str) -> dict[str, dict]:
-    with open(d / "results.csv", newline="") as f:
+def _rows(run: Path, mode: str) -> dict[str, dict]:
+    """`run`'s rows of eval mode `mode` by example_id; `run` is a directory holding results.csv or a
+    .csv / .csv.gz file. Raises FileNotFoundError naming the path when there is no such file."""
+    path = run / "results.csv" if run.is_dir() else run
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no results.csv here; pass an `ldqa eval` output directory or its "
+                                "results.csv(.gz)")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="") as f:
         return {r["example_id"]: r for r in csv.DictReader(f) if r["mode"] == mode}
 
 

@@ -48,3 +48,11 @@ def test_compare_weights_pairs_examples_of_one_mode(tmp_path):
     assert c["diff_points"] == 50.0 and c["ref_score"] == 0.5 and c["score"] == 1.0
     with pytest.raises(ValueError, match="share 1 examples"):
         compare(tmp_path / "a", tmp_path / "b", "block")
+    # a saved results.csv.gz reads as its directory does; a missing run names its path
+    import gzip
+
+    with gzip.open(tmp_path / "b.csv.gz", "wt") as f:
+        f.write((tmp_path / "b" / "results.csv").read_text())
+    assert compare(tmp_path / "a", tmp_path / "b.csv.gz") == {**c, "run": str(tmp_path / "b.csv.gz")}
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        compare(tmp_path / "a", tmp_path / "nowhere")
