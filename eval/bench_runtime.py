@@ -12,7 +12,9 @@ length every engine runs once, so a busy machine slows them all alike; the table
 Per engine: TTFT (the prompt's prefill, ms), decode tokens/s (greedy, `--new-tokens`), the weights'
 resident size (bytes of the model's tensors; llama.cpp: the GGUF's tensor bytes) and the RSS growth when
 the model was loaded, bytes read per decoded token (the matrices a decode step multiplies with: every
-linear layer and the LM head, plus the KV cache; not the embedding table, of which a step reads one row)
+linear layer and the LM head, plus the keys and values its attention needs, `kv_read_bytes`: a sliding
+layer's window, not its whole cache, in the cache's dtype, llama.cpp's f16; not the embedding table, of
+which a step reads one row)
 against the machine's read bandwidth measured here (a sum over a 1 GiB tensor at the same thread count):
 bytes/token x tokens/s is the achieved bandwidth, and the bandwidth / bytes per token is the decode rate
 no implementation can pass. Ratios against llama.cpp and against ldqa fp32 are printed and written with
@@ -87,6 +89,16 @@ def decode_bytes(model) -> int:
     return total
 
 
+def kv_read_bytes(cfg, n: int, elem_bytes: int) -> int:
+    """Bytes of keys and values one decode step's attention needs over an `n`-token context: per layer
+    2 (K and V) x its span (min(n, `cfg.sliding_window`) for a "sliding" layer, n for a "full" one)
+    x num_kv_heads x head_dim x `elem_bytes` (4: fp32 cache, 2: bf16 or f16). A lower bound on what an
+    engine reads (one that reads a sliding layer's whole cache reads more)."""
+    types = cfg.layer_types or ["full"] * cfg.num_layers
+    span = sum(min(n, cfg.sliding_window) if t == "sliding" and cfg.sliding_window else n for t in types)
+    return 2 * span * cfg.num_kv_heads * cfg.head_dim * elem_bytes
+
+
 # --------------------------------------------------------------------------- engines
 class LdqaEngine:
     """ldqa in one weight format. `spec` is a format name, or "q8_0/modules": q8_0 weights decoded the way
@@ -104,6 +116,8 @@ class LdqaEngine:
         self.rss_growth = _rss() - rss0
         self.resident = model_nbytes(self.lm.model)
         self.step_bytes = decode_bytes(self.lm.model)
+        self.cfg = self.lm.model.cfg
+        self.kv_elem_bytes = torch.empty((), dtype=self.lm.model.kv_dtype).element_size()
 
     def run(self, ids: list[int], new_tokens: int) -> dict:
         if not self.modules:
@@ -142,11 +156,13 @@ class LdqaEngine:
 class LlamaCppEngine:
     """llama.cpp through llama-cpp-python on the same GGUF; one context per thread count."""
 
-    def __init__(self, gguf: Path, n_ctx: int):
+    kv_elem_bytes = 2  # llama.cpp's default K/V cache type, f16
+
+    def __init__(self, gguf: Path, n_ctx: int, cfg):
         import numpy as np
         from llama_cpp import Llama
 
-        self.np, self.gguf, self.n_ctx, self._ctx = np, gguf, n_ctx, {}
+        self.np, self.gguf, self.n_ctx, self._ctx, self.cfg = np, gguf, n_ctx, {}, cfg
         self.label = "llama.cpp"
         rss0 = _rss()
         self._get(1)
@@ -245,7 +261,8 @@ def run(args) -> dict:
     if not args.no_llama:
         try:
             engines.append(LlamaCppEngine(resolve_gguf(args.model) if not args.model.endswith(".gguf")
-                                          else Path(args.model), max(lengths) + args.new_tokens + 16))
+                                          else Path(args.model), max(lengths) + args.new_tokens + 16,
+                                          engines[0].cfg))
         except ImportError:
             note = "llama-cpp-python is not installed (pip install -e '.[bench]'): llama.cpp skipped"
             print(note)
@@ -269,8 +286,7 @@ def run(args) -> dict:
                 rs = [r for r in runs if r["engine"] == e.label and r["threads"] == t and r["prompt_tokens"] == n]
                 ttft = statistics.median(r["ttft_ms"] for r in rs)
                 tps = statistics.median(r["decode_tok_s"] for r in rs)
-                kv = rs[0].get("kv_bytes", 0) / (n + args.new_tokens)  # KV bytes per cached token
-                step = e.step_bytes + kv * n
+                step = e.step_bytes + kv_read_bytes(e.cfg, n, e.kv_elem_bytes)
                 row = {"engine": e.label, "threads": t, "prompt_tokens": n, "ttft_ms": ttft, "decode_tok_s": tps,
                        "resident_bytes": e.resident, "rss_growth_bytes": e.rss_growth,
                        "bytes_per_token": step, "achieved_gb_s": step * tps / 1e9,

@@ -56,3 +56,16 @@ def test_compare_weights_pairs_examples_of_one_mode(tmp_path):
     assert compare(tmp_path / "a", tmp_path / "b.csv.gz") == {**c, "run": str(tmp_path / "b.csv.gz")}
     with pytest.raises(FileNotFoundError, match="nowhere"):
         compare(tmp_path / "a", tmp_path / "nowhere")
+
+
+def test_kv_read_bytes_counts_a_sliding_layer_s_window_only():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(layer_types=["sliding", "sliding", "full"], sliding_window=512, num_layers=3,
+                          num_kv_heads=2, head_dim=64)
+    per_key = 2 * 2 * 64 * 4  # K and V, 2 heads of 64, fp32
+    assert bench_runtime.kv_read_bytes(cfg, 100, 4) == 3 * 100 * per_key  # inside the window: every key
+    assert bench_runtime.kv_read_bytes(cfg, 8192, 4) == (2 * 512 + 8192) * per_key
+    assert bench_runtime.kv_read_bytes(cfg, 8192, 2) == (2 * 512 + 8192) * per_key // 2
+    llama = SimpleNamespace(layer_types=[], sliding_window=None, num_layers=4, num_kv_heads=1, head_dim=8)
+    assert bench_runtime.kv_read_bytes(llama, 10, 2) == 4 * 10 * 2 * 8 * 2
