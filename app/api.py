@@ -560,22 +560,24 @@ class LongDocQA:
 
     def _generate(self, stream: AnswerStream, question, passages, retrieval_ms, settings, max_new, t0, att_cfg):
         from ldqa.attention.generate import SamplingConfig, continue_generation
-        from ldqa.attention.threads import decode_threads
+        from ldqa.attention.threads import decode_threads, prefill_on
 
         llm = self.llm
         cfg = SamplingConfig(max_new_tokens=max_new, stop_strings=STOP_STRINGS)
         debias = att_cfg.debias.method
         with self._generate_lock:
             t_start = time.perf_counter()
-            built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings),
-                                        att_cfg, max_new)
+            threads = decode_threads()
+            with prefill_on(threads):
+                built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings),
+                                            att_cfg, max_new)
             if debias == "buckets":
                 settings["bucket_scales"] = list(att_cfg.debias.bucket_scales)
             if built.fallback_reason:
                 settings["attention_used"] = built.mode_used
                 settings["fallback_reason"] = built.fallback_reason
             gen = continue_generation(built.runner, built.context.cache, built.context.logits, llm.tokenizer.decode,
-                                      llm.tokenizer.eos_ids, cfg, t0=t_start, threads=decode_threads())
+                                      llm.tokenizer.eos_ids, cfg, t0=t_start, threads=threads)
             for _, delta in gen:
                 yield delta
             if debias == "buckets":

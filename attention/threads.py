@@ -11,7 +11,8 @@ steps after `first_probe` steps and then every `probe_every` steps, and keeps th
 had the lower median time; a count that keeps losing is probed less and less often (see the class).
 Idle machine: after the first probe, decode runs on all cores; the probes then cost ~1% of decode time.
 Busy machine: it stays on one thread, and a probe of two threads ends after one slow step.
-One instance per process (`decode_threads()`): what it learned carries over to the next answer.
+One instance per process (`decode_threads()`): what it learned carries over to the next answer, and
+the next answer's prefill runs on the count it last chose (`prefill_on`).
 
 Off (the thread count is left alone) when the user chose one: $OMP_NUM_THREADS or $LDQA_DECODE_THREADS
 set (a number: that many threads for decode; `auto`: this governor even so), or `torch.set_num_threads`
@@ -67,6 +68,13 @@ class DecodeThreads:
     @property
     def other(self) -> int:
         return 1 if self.best != 1 else self.most
+
+    def prefill_count(self) -> int | None:
+        """The thread count for the next prefill (`prefill_on`): `best` once both counts have been timed
+        (after the first probe), else None (nothing measured yet: leave torch's count as it is)."""
+        if self.most == 1 or not (self.times[1] and self.times[self.most]):
+            return None
+        return self.best
 
     def threads(self) -> int:
         """The thread count for the next decode step."""
@@ -133,6 +141,33 @@ def reset() -> None:
     """Forget the governor and the starting thread count (tests)."""
     with _lock:
         _state.clear()
+
+
+class prefill_on:
+    """Context manager around an answer's prefill (the prompt, or Block-Attention's passage blocks and
+    question) on the count the decode governor `threads` last chose (`DecodeThreads.prefill_count`);
+    torch's count as it is for a fixed decode count, None, or a governor that has not measured both counts
+    yet (a process's first answer). torch's count is restored after.
+
+    Why: a prefill's few long GEMMs suffer from a descheduled thread as decode's short regions do, if less:
+    Gemma 3 270M gguf, 1,416 tokens, 2.1 s on two threads against 3.4 s on one on an idle machine, 6.0 s
+    against 3.6 s next to a busy core (docs/results.md, issue 30, session 29). The prefill's results do not
+    depend on the count there (the same logits and KV cache bit for bit at 1 and 2 threads, gguf and fp32).
+    """
+
+    def __init__(self, threads: DecodeThreads | int | None):
+        self.n = threads.prefill_count() if isinstance(threads, DecodeThreads) else None
+
+    def __enter__(self):
+        self.prev = torch.get_num_threads()
+        if self.n and self.n != self.prev:
+            torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc):
+        if self.n and self.n != self.prev:
+            torch.set_num_threads(self.prev)
+        return False
 
 
 class timed_step:

@@ -1,7 +1,7 @@
-"""Decode speed with a fixed thread count against the decode thread governor (`ldqa.attention.threads`), on an
-idle machine and next to a busy core, side by side in one process.
+"""Prefill and decode speed with a fixed thread count against the thread governor (`ldqa.attention.threads`),
+on an idle machine and next to a busy core, side by side in one process.
 
-    python -m ldqa.eval.bench_threads [--weights q8_0] [--length 1416] [--new-tokens 64] [--repeats 3]
+    python -m ldqa.eval.bench_threads [--weights gguf] [--length 1416] [--new-tokens 64] [--repeats 3]
                                       [--hogs 0,1] [--out out/bench-threads]
 
 For each number of hogs (busy-loop processes started for the measurement and stopped after it: 1 is
@@ -9,8 +9,11 @@ For each number of hogs (busy-loop processes started for the measurement and sto
 `--new-tokens` tokens after the same prompt (`bench_runtime.prompt_ids`, the bundled sample) on torch's
 default thread count, on one thread, with a fresh governor per run (`DecodeThreads`: a first answer,
 which pays for finding the count), and with one governor kept across the runs of a busy-process setting
-after an untimed warm-up answer (what later answers of a running ldqa get: only the periodic probes). Reports decode tokens/s (median of the repetitions, and each), the governor's final
-choice, and whether the three runs gave the same tokens. Writes `OUT/bench-threads.json`. The load
+after an untimed warm-up answer (what later answers of a running ldqa get: only the periodic probes).
+The prefill runs as the app runs it (`prefill_on`): on the governor's last choice once it has measured
+both counts (a first answer: torch's default count), on the fixed count otherwise. Reports prefill ms and
+decode tokens/s (medians of the repetitions, and each), the counts used, and whether the runs gave the
+same tokens. Writes `OUT/bench-threads.json`. The load
 average is printed: with other jobs on the machine the idle rows are not idle.
 """
 
@@ -34,13 +37,26 @@ def _hog(stop) -> None:  # a busy loop until told to stop (one core's worth of a
 
 
 def _decode(lm, ids, new_tokens, threads):
+    """Prefill `ids` and decode `new_tokens` greedy tokens as the app does: the prefill on the governor's
+    last choice (`prefill_on`; a fixed count: that count), each decode step on `threads`.
+    Returns (token ids, decode tokens/s, prefill ms)."""
     from ldqa.attention.generate import SamplingConfig, start_generation
+    from ldqa.attention.threads import prefill_on
 
-    gen = start_generation(lm.model, ids, lm.tokenizer.decode, [], SamplingConfig(max_new_tokens=new_tokens))
+    prev = torch.get_num_threads()
+    if isinstance(threads, int):
+        torch.set_num_threads(threads)
+    try:
+        with prefill_on(threads):
+            t0 = time.perf_counter()
+            gen = start_generation(lm.model, ids, lm.tokenizer.decode, [], SamplingConfig(max_new_tokens=new_tokens))
+            prefill_ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        torch.set_num_threads(prev)
     gen.threads = threads
     for _ in gen:
         pass
-    return gen.token_ids, gen.stats.tokens_per_s
+    return gen.token_ids, gen.stats.tokens_per_s, prefill_ms
 
 
 def main(argv=None) -> int:
@@ -50,7 +66,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--weights", default="q8_0")
+    ap.add_argument("--weights", default="gguf")
     ap.add_argument("--length", type=int, default=1416)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -81,10 +97,12 @@ def main(argv=None) -> int:
                 random.Random(rep).shuffle(order)
                 for name in order:
                     threads = configs[name]()
-                    toks, tps = _decode(lm, ids, args.new_tokens, threads)
+                    pre = (threads.prefill_count() if isinstance(threads, DecodeThreads) else threads) or most
+                    toks, tps, prefill_ms = _decode(lm, ids, args.new_tokens, threads)
                     choice = threads.best if isinstance(threads, DecodeThreads) else threads or most
-                    res[name].append((tps, toks, choice))
-                    print(f"hogs {hogs} rep {rep} {name}: {tps:.1f} tok/s (decode on {choice})", flush=True)
+                    res[name].append((tps, toks, choice, prefill_ms, pre))
+                    print(f"hogs {hogs} rep {rep} {name}: prefill {prefill_ms:.0f} ms on {pre}, {tps:.1f} tok/s "
+                          f"(decode on {choice})", flush=True)
         finally:
             stop.set()
             for p in procs:
@@ -93,11 +111,15 @@ def main(argv=None) -> int:
         for name, runs in res.items():
             rows.append(dict(hogs=hogs, config=name, tok_s=statistics.median(r[0] for r in runs),
                              tok_s_each=[round(r[0], 2) for r in runs], final_threads=[r[2] for r in runs],
+                             prefill_ms=statistics.median(r[3] for r in runs),
+                             prefill_ms_each=[round(r[3]) for r in runs], prefill_threads=[r[4] for r in runs],
                              same_tokens=all(r[1] == first for r in runs)))
-    print("| busy processes beside | decode on | tokens/s (median) | each | final thread count | same tokens |")
-    print("|---|---|---|---|---|---|")
+    print("| busy processes beside | threads | prefill ms (median) | each | prefill on | tokens/s (median) | each | "
+          "final decode thread count | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['hogs']} | {r['config']} | {r['tok_s']:.1f} | {' / '.join(map(str, r['tok_s_each']))} | "
+        print(f"| {r['hogs']} | {r['config']} | {r['prefill_ms']:.0f} | {' / '.join(map(str, r['prefill_ms_each']))} | "
+              f"{' / '.join(map(str, r['prefill_threads']))} | {r['tok_s']:.1f} | {' / '.join(map(str, r['tok_s_each']))} | "
               f"{' / '.join(map(str, r['final_threads']))} | {r['same_tokens']} |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench-threads.json").write_text(json.dumps(dict(rows=rows, load=os.getloadavg()[0], threads=most,

@@ -120,6 +120,12 @@ def test_answers_do_not_depend_on_the_thread_count(weights, monkeypatch):
 
     before = torch.get_num_threads()
     try:
+        prefills = []
+        for n in (1, 2):  # the prefill too (`prefill_on` may run it on either count), 32+ rows: the bf16 GEMM path
+            torch.set_num_threads(n)
+            prefills.append(start_generation(lm.model, ids * 4, lm.tokenizer.decode, [], SamplingConfig()).first_logits)
+        assert torch.equal(*prefills)
+        torch.set_num_threads(before)
         toks1, logits1 = tokens_and_logits(1)
         flip = T.DecodeThreads(2, first_probe=0, probe_every=2, probe_steps=1)  # probes 2 every other step
         toks2, logits2 = tokens_and_logits(flip)
@@ -127,3 +133,55 @@ def test_answers_do_not_depend_on_the_thread_count(weights, monkeypatch):
         torch.set_num_threads(before)
     assert toks1 == toks2 and torch.equal(logits1, logits2)
     assert len(flip.times[1]) > 0 and len(flip.times[2]) > 0
+
+
+def test_prefill_runs_on_the_count_the_governor_last_chose():
+    before = torch.get_num_threads()
+    most = before + 1
+    gov = T.DecodeThreads(most, first_probe=4, probe_every=32, probe_steps=2)
+    with T.prefill_on(gov):  # nothing measured yet (a first answer): torch's count as it is
+        assert torch.get_num_threads() == before
+    _run(gov, lambda n: 0.250 if n == most else 0.025, 8)  # busy core: both counts timed, one thread kept
+    assert gov.prefill_count() == 1
+    with T.prefill_on(gov):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    _run(gov, lambda n: 0.010 if n == most else 0.025, 200)  # the load went: the probes move decode to `most`
+    assert gov.best == most and gov.prefill_count() == most
+    try:
+        with T.prefill_on(gov):
+            assert torch.get_num_threads() == most
+        assert torch.get_num_threads() == before
+        for pinned in (3, None):  # a fixed decode count or the user's: prefill left alone
+            with T.prefill_on(pinned):
+                assert torch.get_num_threads() == before
+        assert T.DecodeThreads(1).prefill_count() is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_app_s_prefill_follows_the_governor(tiny_model_dir, tmp_path, monkeypatch):
+    # LongDocQA builds the context (prefill) on the governor's choice and decodes with the same governor
+    from ldqa.app.api import LongDocQA, Passage
+
+    start = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that a prefill left alone would run on 2, not the governor's 1
+    before = 2
+    gov = T.DecodeThreads(before + 1, first_probe=4, probe_every=32, probe_steps=2)
+    _run(gov, lambda n: 0.025 if n == 1 else 0.250, 8)  # measured: one thread is faster
+    monkeypatch.setattr(T, "decode_threads", lambda: gov)
+    qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("llama")), max_new_tokens=4, weights="q8_0")
+    seen, real = [], qa.engine.context
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return real(*a, **k)
+    monkeypatch.setattr(qa.engine, "context", spy)
+    steps = gov.steps
+    try:
+        qa.answer("What torque?", [Passage("Bulletin", "Tighten each fan hub bolt to 18 Nm.")], debias="none")
+        assert seen == [1] and torch.get_num_threads() == before
+    finally:
+        qa.store.close()
+        torch.set_num_threads(start)
+    assert gov.steps > steps  # its decode steps went through the same governor
