@@ -1,9 +1,10 @@
 """Paired comparison of `ldqa eval` runs that differ only in the weight format.
 
-    python -m ldqa.eval.compare_weights [--mode full] out/eval-weights-fp32 out/eval-weights-int8 [...]
+    python -m ldqa.eval.compare_weights [--mode full] [--ref-mode M] out/eval-weights-fp32 out/eval-weights-int8 [...]
 
 The first directory is the reference; rows of the eval mode `full` are compared (`--mode M` first to
-pick another). For each other run: the examples both runs answered (same
+pick another; `--ref-mode M` takes the reference's rows from another mode, e.g. a run's `block` rows
+against its own `full` rows: `--mode block --ref-mode full DIR DIR`). For each other run: the examples both runs answered (same
 `example_id`), the mean score of each, the paired difference (points) with its standard error, how many
 predictions are word for word the reference's, and the median TTFT and decode tokens/s of each.
 Each argument is a run's directory (its `results.csv`, written by `ldqa eval`) or such a file itself,
@@ -32,10 +33,11 @@ def _rows(run: Path, mode: str) -> dict[str, dict]:
         return {r["example_id"]: r for r in csv.DictReader(f) if r["mode"] == mode}
 
 
-def compare(ref_dir: Path, other_dir: Path, mode: str = "full") -> dict:
-    """Paired statistics of `other_dir`'s run against `ref_dir`'s, both in eval mode `mode` (see the
-    module docstring). Raises ValueError when they share fewer than 2 examples."""
-    a, b = _rows(ref_dir, mode), _rows(other_dir, mode)
+def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | None = None) -> dict:
+    """Paired statistics of `other_dir`'s rows of eval mode `mode` against `ref_dir`'s rows of `ref_mode`
+    (default: `mode`), paired by example_id (see the module docstring). Raises ValueError when they share
+    fewer than 2 examples."""
+    a, b = _rows(ref_dir, ref_mode or mode), _rows(other_dir, mode)
     ids = sorted(set(a) & set(b))
     if len(ids) < 2:
         raise ValueError(f"{ref_dir} and {other_dir} share {len(ids)} examples; at least 2 are needed")
@@ -51,18 +53,22 @@ def compare(ref_dir: Path, other_dir: Path, mode: str = "full") -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    mode = "full"
-    if argv[:1] == ["--mode"] and len(argv) > 1:
-        mode, argv = argv[1], argv[2:]
+    mode, ref_mode = "full", None
+    while argv[:1] in (["--mode"], ["--ref-mode"]) and len(argv) > 1:
+        if argv[0] == "--mode":
+            mode = argv[1]
+        else:
+            ref_mode = argv[1]
+        argv = argv[2:]
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
     ref = Path(argv[0])
-    print(f"reference: {ref}")
+    print(f"reference: {ref} ({ref_mode or mode} rows), compared: {mode} rows")
     print("| run | n | reference EM | EM | paired diff (points) | SE | identical | TTFT ms ref -> run | tok/s ref -> run |")
     print("|---|---|---|---|---|---|---|---|---|")
     for o in argv[1:]:
-        c = compare(ref, Path(o), mode)
+        c = compare(ref, Path(o), mode, ref_mode)
         print(f"| {o} | {c['n']} | {c['ref_score']:.3f} | {c['score']:.3f} | {c['diff_points']:+.1f} | "
               f"{c['se_points']:.1f} | {c['identical_predictions']}/{c['n']} | {c['ref_ttft_ms']:.0f} -> "
               f"{c['ttft_ms']:.0f} | {c['ref_tokens_per_s']:.1f} -> {c['tokens_per_s']:.1f} |")

@@ -56,6 +56,13 @@ def test_compare_weights_pairs_examples_of_one_mode(tmp_path):
     assert compare(tmp_path / "a", tmp_path / "b.csv.gz") == {**c, "run": str(tmp_path / "b.csv.gz")}
     with pytest.raises(FileNotFoundError, match="nowhere"):
         compare(tmp_path / "a", tmp_path / "nowhere")
+    # one run's block rows against its own full rows
+    with pytest.raises(ValueError, match="share 1 examples"):  # only q1 has a block row
+        compare(tmp_path / "a", tmp_path / "a", "block", ref_mode="full")
+    (tmp_path / "a" / "results.csv").write_text(head + "full,q1,x,1,10,5\nfull,q2,y,0,10,5\n"
+                                                "block,q1,x,0,1,5\nblock,q2,y,0,1,5\n")
+    m = compare(tmp_path / "a", tmp_path / "a", "block", ref_mode="full")
+    assert m["n"] == 2 and m["diff_points"] == -50.0 and m["identical_predictions"] == 2
 
 
 def test_kv_read_bytes_counts_a_sliding_layer_s_window_only():
