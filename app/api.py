@@ -568,7 +568,7 @@ class LongDocQA:
         with self._generate_lock:
             t_start = time.perf_counter()
             threads = decode_threads()
-            with prefill_on(threads):
+            with prefill_on(threads, llm.model):
                 built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings),
                                             att_cfg, max_new)
             if debias == "buckets":

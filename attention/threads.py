@@ -12,7 +12,8 @@ had the lower median time; a count that keeps losing is probed less and less oft
 Idle machine: after the first probe, decode runs on all cores; the probes then cost ~1% of decode time.
 Busy machine: it stays on one thread, and a probe of two threads ends after one slow step.
 One instance per process (`decode_threads()`): what it learned carries over to the next answer, and
-the next answer's prefill runs on the count it last chose (`prefill_on`).
+the next answer's prefill runs on the count it last chose (`prefill_on`; a first answer's prefill
+probes a few of its own layers on each count).
 
 Off (the thread count is left alone) when the user chose one: $OMP_NUM_THREADS or $LDQA_DECODE_THREADS
 set (a number: that many threads for decode; `auto`: this governor even so), or `torch.set_num_threads`
@@ -143,29 +144,78 @@ def reset() -> None:
         _state.clear()
 
 
+PROBE_MIN_ROWS = 64  # a layer call over fewer tokens is too short to time reliably: not probed
+PROBE_PAIRS = 2  # layer pairs (one on all cores, the next on one thread) a first prefill probes
+
+
 class prefill_on:
     """Context manager around an answer's prefill (the prompt, or Block-Attention's passage blocks and
-    question) on the count the decode governor `threads` last chose (`DecodeThreads.prefill_count`);
-    torch's count as it is for a fixed decode count, None, or a governor that has not measured both counts
-    yet (a process's first answer). torch's count is restored after.
+    question): on the count the decode governor `threads` last chose (`DecodeThreads.prefill_count`) once
+    it has measured both counts; before that (a process's first answer), when `model` is given, the
+    prefill probes for itself: its first `PROBE_PAIRS` pairs of same-kind layer calls over at least
+    `PROBE_MIN_ROWS` tokens run one on all cores and the next on one thread, timed, and the rest of the
+    prefill runs on the count whose fastest layer was faster (`self.chosen`). A fixed decode count or None
+    (the user's count): torch's count as it is. torch's count is restored after.
 
     Why: a prefill's few long GEMMs suffer from a descheduled thread as decode's short regions do, if less:
     Gemma 3 270M gguf, 1,416 tokens, 2.1 s on two threads against 3.4 s on one on an idle machine, 6.0 s
     against 3.6 s next to a busy core (docs/results.md, issue 30, session 29). The prefill's results do not
-    depend on the count there (the same logits and KV cache bit for bit at 1 and 2 threads, gguf and fp32).
+    depend on the count there (the same logits and KV cache bit for bit at 1 and 2 threads, gguf and fp32),
+    so switching between layers changes nothing but time.
     """
 
-    def __init__(self, threads: DecodeThreads | int | None):
-        self.n = threads.prefill_count() if isinstance(threads, DecodeThreads) else None
+    def __init__(self, threads: DecodeThreads | int | None, model=None):
+        gov = threads if isinstance(threads, DecodeThreads) else None
+        self.n = gov.prefill_count() if gov else None
+        self.most = gov.most if gov else 1
+        self.model = model if gov is not None and self.n is None and self.most > 1 else None
+        self.chosen: int | None = None  # the probe's choice (None: no probe, or not finished)
+        self.layer_ms: dict = {}  # (layer kind, threads) -> [ms of each probed layer call]
 
     def __enter__(self):
         self.prev = torch.get_num_threads()
         if self.n and self.n != self.prev:
             torch.set_num_threads(self.n)
+        self._hooks = []
+        if self.model is not None:
+            kinds = self.model.cfg.layer_types or ["full"] * len(self.model.model.layers)
+            for i, layer in enumerate(self.model.model.layers):
+                self._hooks.append(layer.register_forward_pre_hook(self._pre(kinds[i])))
+                self._hooks.append(layer.register_forward_hook(self._post))
         return self
 
+    def _pre(self, kind: str):
+        def hook(module, args):
+            self._timing = None
+            if self.chosen is not None or args[0].shape[1] < PROBE_MIN_ROWS:
+                return
+            done = sum(len(v) for (k, _), v in self.layer_ms.items() if k == kind)
+            n = self.most if done % 2 == 0 else 1  # a pair: all cores, then one thread
+            torch.set_num_threads(n)
+            self._timing = (kind, n, time.perf_counter())
+        return hook
+
+    def _post(self, module, args, output):
+        if self._timing is None:
+            return
+        kind, n, t0 = self._timing
+        self.layer_ms.setdefault((kind, n), []).append((time.perf_counter() - t0) * 1e3)
+        many, one = self.layer_ms.get((kind, self.most), []), self.layer_ms.get((kind, 1), [])
+        if len(one) >= PROBE_PAIRS and len(many) >= PROBE_PAIRS:
+            self.chosen = 1 if min(one) < min(many) else self.most
+            torch.set_num_threads(self.chosen)
+            self._remove_hooks()
+        else:
+            torch.set_num_threads(self.prev)  # unprobed calls between probed ones run as they would have
+
+    def _remove_hooks(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     def __exit__(self, *exc):
-        if self.n and self.n != self.prev:
+        self._remove_hooks()
+        if torch.get_num_threads() != self.prev:
             torch.set_num_threads(self.prev)
         return False
 

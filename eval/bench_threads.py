@@ -11,7 +11,8 @@ default thread count, on one thread, with a fresh governor per run (`DecodeThrea
 which pays for finding the count), and with one governor kept across the runs of a busy-process setting
 after an untimed warm-up answer (what later answers of a running ldqa get: only the periodic probes).
 The prefill runs as the app runs it (`prefill_on`): on the governor's last choice once it has measured
-both counts (a first answer: torch's default count), on the fixed count otherwise. Reports prefill ms and
+both counts (a first answer: probing its first layers on each count, "probe -> n"), on the fixed count
+otherwise. Reports prefill ms and
 decode tokens/s (medians of the repetitions, and each), the counts used, and whether the runs gave the
 same tokens. Writes `OUT/bench-threads.json`. The load
 average is printed: with other jobs on the machine the idle rows are not idle.
@@ -38,8 +39,8 @@ def _hog(stop) -> None:  # a busy loop until told to stop (one core's worth of a
 
 def _decode(lm, ids, new_tokens, threads):
     """Prefill `ids` and decode `new_tokens` greedy tokens as the app does: the prefill on the governor's
-    last choice (`prefill_on`; a fixed count: that count), each decode step on `threads`.
-    Returns (token ids, decode tokens/s, prefill ms)."""
+    last choice or probing (`prefill_on`; a fixed count: that count), each decode step on `threads`.
+    Returns (token ids, decode tokens/s, prefill ms, the prefill probe's choice or None)."""
     from ldqa.attention.generate import SamplingConfig, start_generation
     from ldqa.attention.threads import prefill_on
 
@@ -47,7 +48,7 @@ def _decode(lm, ids, new_tokens, threads):
     if isinstance(threads, int):
         torch.set_num_threads(threads)
     try:
-        with prefill_on(threads):
+        with prefill_on(threads, lm.model) as probe:
             t0 = time.perf_counter()
             gen = start_generation(lm.model, ids, lm.tokenizer.decode, [], SamplingConfig(max_new_tokens=new_tokens))
             prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -56,7 +57,7 @@ def _decode(lm, ids, new_tokens, threads):
     gen.threads = threads
     for _ in gen:
         pass
-    return gen.token_ids, gen.stats.tokens_per_s, prefill_ms
+    return gen.token_ids, gen.stats.tokens_per_s, prefill_ms, probe.chosen
 
 
 def main(argv=None) -> int:
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
                 for name in order:
                     threads = configs[name]()
                     pre = (threads.prefill_count() if isinstance(threads, DecodeThreads) else threads) or most
-                    toks, tps, prefill_ms = _decode(lm, ids, args.new_tokens, threads)
+                    toks, tps, prefill_ms, probed = _decode(lm, ids, args.new_tokens, threads)
+                    pre = f"probe -> {probed}" if probed else pre
                     choice = threads.best if isinstance(threads, DecodeThreads) else threads or most
                     res[name].append((tps, toks, choice, prefill_ms, pre))
                     print(f"hogs {hogs} rep {rep} {name}: prefill {prefill_ms:.0f} ms on {pre}, {tps:.1f} tok/s "

@@ -121,10 +121,14 @@ def test_answers_do_not_depend_on_the_thread_count(weights, monkeypatch):
     before = torch.get_num_threads()
     try:
         prefills = []
-        for n in (1, 2):  # the prefill too (`prefill_on` may run it on either count), 32+ rows: the bf16 GEMM path
+        for n in (1, 2):  # the prefill too (`prefill_on` may run it on either count), 64+ rows: the bf16 GEMM path, probed
             torch.set_num_threads(n)
-            prefills.append(start_generation(lm.model, ids * 4, lm.tokenizer.decode, [], SamplingConfig()).first_logits)
-        assert torch.equal(*prefills)
+            prefills.append(start_generation(lm.model, ids * 8, lm.tokenizer.decode, [], SamplingConfig()).first_logits)
+        torch.set_num_threads(2)
+        with T.prefill_on(T.DecodeThreads(2), lm.model) as probe:  # a first answer's prefill: layers on 2, 1, 2, 1
+            prefills.append(start_generation(lm.model, ids * 8, lm.tokenizer.decode, [], SamplingConfig()).first_logits)
+        assert len(probe.layer_ms) == 2 and probe.chosen in (1, 2)
+        assert torch.equal(prefills[0], prefills[1]) and torch.equal(prefills[0], prefills[2])
         torch.set_num_threads(before)
         toks1, logits1 = tokens_and_logits(1)
         flip = T.DecodeThreads(2, first_probe=0, probe_every=2, probe_steps=1)  # probes 2 every other step
@@ -185,3 +189,52 @@ def test_the_app_s_prefill_follows_the_governor(tiny_model_dir, tmp_path, monkey
         qa.store.close()
         torch.set_num_threads(start)
     assert gov.steps > steps  # its decode steps went through the same governor
+
+
+class _ClockLayer(torch.nn.Module):
+    """A stand-in decoder layer whose call advances a fake clock by cost(torch's thread count) ms."""
+
+    def __init__(self, clock, cost):
+        super().__init__()
+        self.clock, self.cost = clock, cost
+
+    def forward(self, x):
+        self.clock[0] += self.cost(torch.get_num_threads()) / 1e3
+        return x
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_a_first_prefill_probes_layer_pairs_and_keeps_the_faster_count(busy, monkeypatch):
+    from types import SimpleNamespace
+
+    before = torch.get_num_threads()
+    most = before + 1
+    clock = [0.0]
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
+    cost = (lambda n: 300.0 if n == most else 170.0) if busy else (lambda n: 100.0 if n == most else 160.0)
+    layers = torch.nn.ModuleList(_ClockLayer(clock, cost) for _ in range(8))
+    model = SimpleNamespace(cfg=SimpleNamespace(layer_types=["sliding"] * 5 + ["full"] * 3),
+                            model=SimpleNamespace(layers=layers))
+    gov = T.DecodeThreads(most)  # nothing measured yet: a process's first answer
+    used = []
+    try:
+        with T.prefill_on(gov, model) as p:
+            for layer in layers:
+                layer(torch.zeros(1, T.PROBE_MIN_ROWS, 4))
+                used.append(torch.get_num_threads())
+            assert p.chosen == (1 if busy else most)
+            layer(torch.zeros(1, 8, 4))  # later calls: no hooks left
+        assert torch.get_num_threads() == before
+        # layers 0-3 (sliding) probe most, 1, most, 1; then every layer runs on the choice
+        assert sorted(p.layer_ms) == [("sliding", 1), ("sliding", most)]
+        assert all(len(v) == T.PROBE_PAIRS for v in p.layer_ms.values())
+        assert used[4:] == [p.chosen] * 4 and all(not layer._forward_pre_hooks for layer in layers)
+        # a short prefill (the question alone) is not probed; a governor that has measured is followed
+        with T.prefill_on(T.DecodeThreads(most), model) as q:
+            layers[0](torch.zeros(1, T.PROBE_MIN_ROWS - 1, 4))
+            assert q.chosen is None and not q.layer_ms and torch.get_num_threads() == before
+        _run(gov, lambda n: 0.250 if n == most else 0.025, 8)
+        with T.prefill_on(gov, model) as r:
+            assert torch.get_num_threads() == 1 and r.model is None  # the governor's choice, no probe
+    finally:
+        torch.set_num_threads(before)
