@@ -117,7 +117,7 @@ class LdqaEngine:
         self.resident = model_nbytes(self.lm.model)
         self.step_bytes = decode_bytes(self.lm.model)
         self.cfg = self.lm.model.cfg
-        self.kv_elem_bytes = torch.empty((), dtype=self.lm.model.kv_dtype).element_size()
+        self.kv_elem_bytes = self.lm.model.kv_dtype.itemsize
 
     def run(self, ids: list[int], new_tokens: int) -> dict:
         if not self.modules:
@@ -149,8 +149,7 @@ class LdqaEngine:
             tok = int(logits[0, -1].argmax())
             out.append(tok)
         dec = time.perf_counter() - t1
-        kv = cache.nbytes()
-        return {"ttft_ms": ttft * 1000, "decode_tok_s": (new_tokens - 1) / dec, "tokens": out, "kv_bytes": kv}
+        return {"ttft_ms": ttft * 1000, "decode_tok_s": (new_tokens - 1) / dec, "tokens": out}
 
 
 class LlamaCppEngine:
