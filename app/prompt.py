@@ -8,6 +8,10 @@ Layout (token ids, each segment tokenized on its own, as plain text):
     [Passage [k]][...]
     [Question: ...\nAnswer:]                    <- the question segment, always last
 
+A model with a chat template gets the same segments inside its template (`ldqa.app.chat`): the template's
+opening and the system instruction are the prefix, the passages are blocks inside the user turn, and the
+question ends the user turn, followed by the assistant turn's opening.
+
 The wording follows the prompt of "Lost in the Middle" (Liu et al. 2023), with passages numbered so the
 answer can cite them as [n]. Keeping the segments separate is what lets a passage's KV states be computed
 once and reused (issue 3): a passage body's tokens never depend on its neighbours or on its rank; only
@@ -37,17 +41,25 @@ FRAMED_INSTRUCTION = (
 STOP_STRINGS = ("\n\n", "\nQuestion:", "\nAnswer:", "\nPassage [")
 
 
-def header_text(n: int) -> str:
-    """The rank-dependent header of passage n (1-based)."""
-    return f"Passage [{n}]"
+def header_text(n: int, blank_first: bool = False) -> str:
+    """The rank-dependent header of passage n (1-based); with `blank_first` the blank line between passages
+    starts the next header ('\n\nPassage [2]') instead of ending the body (`ChatFormat.blank_first`)."""
+    return f"\n\nPassage [{n}]" if blank_first and n > 1 else f"Passage [{n}]"
 
 
-def passage_text(title: str, text: str, page: int | None = None, header: str = "") -> str:
-    """The rank-independent body of a passage, e.g. ' (Title: Manual, page 3) ...'; `header`: the table
-    header rows of a chunk that continues a table (`Chunk.header`), put on their own line first."""
+def passage_text(title: str, text: str, page: int | None = None, header: str = "", blank_first: bool = False) -> str:
+    """The rank-independent body of a passage, e.g. ' (Title: Manual, page 3) ...\n\n' (without the
+    closing blank line when `blank_first`: see `header_text`); `header`: the table header rows of a chunk
+    that continues a table (`Chunk.header`), put on their own line first."""
     where = f"Title: {title}" + (f", page {page}" if page else "")
     body = f"{header}\n{text.strip()}" if header else text.strip()
-    return f" ({where}) {body}\n\n"
+    return f" ({where}) {body}" + ("" if blank_first else "\n\n")
+
+
+def chat_question_text(question: str, blank_first: bool = False) -> str:
+    """The question as the end of a chat prompt's user message: 'Question: ...' ('\n\nQuestion: ...' when
+    `blank_first` and passages come before it); the assistant turn that follows is the answer."""
+    return ("\n\n" if blank_first else "") + f"Question: {question.strip()}"
 
 
 def question_text(question: str, answer_prefix: str = "") -> str:
@@ -66,7 +78,7 @@ def check_prompt_options(instruction, answer_prefix) -> None:
 
 
 def build_prompt(tokenizer, passages, question: str, instruction: str | None = None,
-                 answer_prefix: str = "") -> PromptSegments:
+                 answer_prefix: str = "", chat=None) -> PromptSegments:
     """Tokenize the prompt for `question` over `passages` (objects with title, text, page).
 
     instruction: the text after BOS (default `INSTRUCTION`); a task-specific instruction (e.g. the
@@ -74,15 +86,35 @@ def build_prompt(tokenizer, passages, question: str, instruction: str | None = N
     answer_prefix: the start of the answer, put after "Answer:" in the question segment; the model's
     output continues it (and does not repeat it).
 
+    chat: a `ldqa.app.chat.ChatFormat` (the model's chat template rendered around the user's text, with
+    the instruction as its system message): the prefix is the template's opening, the passages are blocks
+    inside the user turn, and the question segment is 'Question: ...', the template's closing (the user
+    turn's end and the assistant turn's opening) and `answer_prefix`; None: the base-model layout above.
+
     Every text segment goes through `tokenizer.encode`, which treats special-token strings in documents
-    (`<bos>`, `<|im_start|>`, ...) as plain text; only the BOS id is a real control token.
-    Raises ValueError for an instruction or answer_prefix that is not a string.
+    (`<bos>`, `<|im_start|>`, ...) as plain text; only the BOS id and the chat template's own markup
+    (`tokenizer.encode_control`) are control tokens.
+    Raises ValueError for an instruction or answer_prefix that is not a string; ChatTemplateError (a
+    ValueError) when the chat template does not render the user's text verbatim.
     """
     check_prompt_options(instruction, answer_prefix)
+    blank_first = chat is not None and chat.blank_first
+    header_texts = [header_text(i + 1, blank_first) for i in range(len(passages))]
+    bodies = [passage_text(p.title, p.text, p.page, getattr(p, "header", ""), blank_first) for p in passages]
+    q = chat_question_text(question, blank_first and bool(passages)) if chat is not None else ""
+    if chat is not None and chat.lead:  # the opening's trailing whitespace starts the user's text
+        if header_texts:
+            header_texts[0] = chat.lead + header_texts[0]
+        else:
+            q = chat.lead + q
+    headers, blocks = [tokenizer.encode(h) for h in header_texts], [tokenizer.encode(b) for b in bodies]
+    if chat is not None:
+        chat.check(("".join(h + b for h, b in zip(header_texts, bodies)) + q)[len(chat.lead):])
+        question_ids = (tokenizer.encode(q) + tokenizer.encode_control(chat.closing)
+                        + tokenizer.encode(answer_prefix.lstrip()))
+        return PromptSegments(tokenizer.encode_control(chat.opening), headers, blocks, question_ids)
     text = INSTRUCTION if instruction is None else instruction
     prefix = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(text)
-    headers = [tokenizer.encode(header_text(i + 1)) for i in range(len(passages))]
-    blocks = [tokenizer.encode(passage_text(p.title, p.text, p.page, getattr(p, "header", ""))) for p in passages]
     return PromptSegments(prefix, headers, blocks, tokenizer.encode(question_text(question, answer_prefix)))
 
 
@@ -96,7 +128,7 @@ class PromptTooLongError(ValueError):
 
 
 def fit_passages(tokenizer, passages: list, question: str, context_length: int, answer_tokens: int,
-                 instruction: str | None = None, answer_prefix: str = "") -> tuple[list, PromptSegments, int]:
+                 instruction: str | None = None, answer_prefix: str = "", chat=None) -> tuple[list, PromptSegments, int]:
     """Keep as many of `passages` (best first) as fit the model's window; drop from the lowest-ranked.
 
     The prompt is counted in the model's own tokens as `build_prompt` makes it (BOS, instruction, every
@@ -104,13 +136,13 @@ def fit_passages(tokenizer, passages: list, question: str, context_length: int, 
     (max_new_tokens); it must be at most `context_length` (the model's `max_position_embeddings`).
     Passage headers ("Passage [n]") depend only on the rank, so dropping the last passages leaves the
     others' tokens unchanged. Returns (kept passages, their PromptSegments, prompt tokens without the
-    answer budget).
+    answer budget). chat: the model's chat format, as in `build_prompt`.
 
     Raises PromptTooLongError when the prompt without any passage plus the answer budget is over the
     window (the question itself is too long: it is never cut), or when not even the best passage fits
     beside it.
     """
-    seg = build_prompt(tokenizer, passages, question, instruction, answer_prefix)
+    seg = build_prompt(tokenizer, passages, question, instruction, answer_prefix, chat)
     base = len(seg.prefix) + len(seg.question)
     sizes = [len(h) + len(p) for h, p in zip(seg.headers, seg.passages)]
     room = context_length - answer_tokens - base

@@ -50,10 +50,12 @@ class Calibration:
     """Where a bias curve's prompts come from: `texts()` -> the calibration documents' texts (read only
     when a curve is estimated; each tokenized on its own, then concatenated), and `build_prompt(passages,
     question)` -> the PromptSegments of a prompt over `passages` (objects with title, text, page, header)
-    in the product's wording."""
+    in the product's wording. `layout`: "" for the base-model prompt, else a name of the prompt's layout
+    (e.g. "chat": the model's chat template) that keys the curves apart (`curve_key`)."""
 
     texts: Callable[[], list[str]]
     build_prompt: Callable[[list, str], object]
+    layout: str = ""
 
 
 @dataclass
@@ -135,8 +137,8 @@ def load_or_estimate_bias(path: Path, estimate, bundled: Path | None = BUNDLED) 
     return bias
 
 
-def curve_key(attention: str, block_headers: str, theta_scale: float = 1.0) -> str:
+def curve_key(attention: str, block_headers: str, theta_scale: float = 1.0, layout: str = "") -> str:
     """The attention-mode part of a curve's cache name: e.g. "full", "block-cached-headers",
-    "full-rope0.5"."""
+    "full-rope0.5", "full-chat" (`layout`: the prompt layout, "" for the base-model prompt)."""
     key = attention + (f"-{block_headers}-headers" if attention.startswith("block") else "")
-    return key + (f"-rope{theta_scale:g}" if theta_scale != 1.0 else "")
+    return key + (f"-rope{theta_scale:g}" if theta_scale != 1.0 else "") + (f"-{layout}" if layout else "")

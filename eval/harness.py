@@ -138,6 +138,8 @@ class EvalConfig:
         LLM tokens (None: `LongDocQA`'s defaults, 256 and 32).
     abstain_below : jsonl with a retriever: `ask`'s abstention threshold (dense cosine; 0 turns it off;
         None: ldqa's default `ABSTAIN_BELOW`).
+    chat_template : "auto" (an instruct model is prompted through its chat template) or "none" (`LongDocQA`);
+        with a template, its rendered text is part of `settings_hash`.
     """
 
     benchmark: str
@@ -168,6 +170,7 @@ class EvalConfig:
     chunk_tokens: int | None = None
     overlap_tokens: int | None = None
     abstain_below: float | None = None
+    chat_template: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -450,7 +453,8 @@ def _jsonl(cfg: EvalConfig, qa) -> list[dict]:
                 if cfg.max_length is not None:
                     try:
                         texts, cut = fit_context(tok, r["context"], question, cfg.passage_tokens,
-                                                 cfg.max_length - (cfg.max_new_tokens or DEFAULT_MAX_NEW["jsonl"]))
+                                                 cfg.max_length - (cfg.max_new_tokens or DEFAULT_MAX_NEW["jsonl"]),
+                                                 qa.chat_format())
                     except ValueError as e:  # this record's question cannot fit: an error row, the rest go on
                         skip = str(e)
                 passages = [{"title": "Context", "text": t} for t in texts]
@@ -465,24 +469,26 @@ def _jsonl(cfg: EvalConfig, qa) -> list[dict]:
     return out
 
 
-def fit_context(tok, context: str, question: str, passage_tokens: int, budget: int) -> tuple[list[str], int]:
-    """Passages of a long `context` whose prompt (`build_prompt`, default instruction) is at most `budget`
-    tokens, cutting the context's middle as LongBench does (`prompt.truncate_middle`). Returns (passage
-    texts, context tokens cut). Raises ValueError when even an empty context does not fit `budget`."""
+def fit_context(tok, context: str, question: str, passage_tokens: int, budget: int,
+                chat=None) -> tuple[list[str], int]:
+    """Passages of a long `context` whose prompt (`build_prompt`, default instruction, the model's `chat`
+    format or None) is at most `budget` tokens, cutting the context's middle as LongBench does
+    (`prompt.truncate_middle`). Returns (passage texts, context tokens cut). Raises ValueError when even an
+    empty context does not fit `budget`."""
     from types import SimpleNamespace
 
     from ldqa.app.prompt import build_prompt, truncate_middle
 
     ids = tok.encode(context)
     n_ctx = len(ids)
-    base = len(build_prompt(tok, [], question).ids())  # instruction + question, no passage
+    base = len(build_prompt(tok, [], question, chat=chat).ids())  # instruction + question, no passage
     if base >= budget:
         raise ValueError(f"--max-length: the question alone takes {base} prompt tokens, over the budget of "
                          f"{budget} (max length minus the answer budget); raise --max-length")
     for _ in range(8):  # decoding and re-encoding the pieces may shift the count by a few tokens
         texts = split_tokens(tok, ids, passage_tokens)
         n = len(build_prompt(tok, [SimpleNamespace(title="Context", text=t, page=None) for t in texts],
-                             question).ids())
+                             question, chat=chat).ids())
         if n <= budget:
             return texts, n_ctx - len(ids)
         frame = max(0.0, (n - base - len(ids)) / max(1, len(texts)))  # tokens each piece's framing adds
@@ -596,25 +602,28 @@ class HFReference:
             self.model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
 
     def answer(self, question: str, passages: list, max_new_tokens: int, instruction: str | None = None,
-               answer_prefix: str = "") -> tuple[str, dict]:
+               answer_prefix: str = "", chat=None) -> tuple[str, dict]:
         """(answer text, timings) for `question` over `passages`: the prompt is
-        ``build_prompt(tokenizer, passages, question, instruction, answer_prefix).ids()``, the text is cut
-        at the first stop string."""
+        ``build_prompt(tokenizer, passages, question, instruction, answer_prefix, chat).ids()``, the text is
+        cut at the first stop string; with a `chat` format (`LongDocQA.chat_format`) generation also stops
+        at its end-of-turn tokens and the passage markers leave the text, as in `LongDocQA`."""
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         from ldqa.app.api import Passage
+        from ldqa.app.chat import split_citations
         from ldqa.app.prompt import STOP_STRINGS, build_prompt
 
         tok = self.llm.tokenizer
         ids = build_prompt(tok, [p if hasattr(p, "page") else Passage.of(p) for p in passages], question,
-                           instruction, answer_prefix).ids()
-        eos, times = set(tok.eos_ids), []
+                           instruction, answer_prefix, chat).ids()
+        eos, times = set(tok.eos_ids) | set(chat.stop_ids if chat else ()), []
+        stops = STOP_STRINGS + (chat.stop_strings if chat else ())
 
         def text_of(new: list[int]) -> tuple[str, bool]:
             new = new[: next((j for j, t in enumerate(new) if t in eos), len(new))]
             text = tok.decode(new).lstrip()
-            cut = min((i for i in (text.find(s) for s in STOP_STRINGS) if i >= 0), default=None)
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
             return (text if cut is None else text[:cut]), cut is not None
 
         class Watch(StoppingCriteria):  # times every token; stops at a stop string
@@ -634,7 +643,8 @@ class HFReference:
         timings = {"ttft_ms": (times[0] - t0) * 1000 if times else total * 1000, "prompt_tokens": len(ids),
                    "generated_tokens": n, "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                    "total_ms": total * 1000}
-        return text_of(new)[0].strip(), timings
+        text = text_of(new)[0].strip()
+        return (split_citations(text)[0] if chat is not None else text), timings
 
 
 def retrieve_for(qa, cfg: EvalConfig, ex: dict, mode: Mode) -> dict:
@@ -669,7 +679,7 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
         if error:  # refused while the example was built (e.g. a question over --max-length)
             text, t = "", {}
         elif mode.attention == "hf":
-            text, t = hf.answer(ex["question"], passages, max_new, **prompt)
+            text, t = hf.answer(ex["question"], passages, max_new, **prompt, chat=qa.chat_format(prompt["instruction"]))
         else:
             kw = {"recompute_ratio": cfg.recompute_ratio} if mode.attention == "block+recompute" else {}
             try:
@@ -685,7 +695,7 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
             "answers": ex["answers"], "prediction": text,
             "score": None if error else score(cfg.benchmark, text, ex["answers"]),
             **row, **{k: t.get(k) for k in ("ttft_ms", "tokens_per_s", "prompt_tokens", "generated_tokens",
-                                            "total_ms")},
+                                            "total_ms", "stop_reason")},
             **({"passages_dropped": t["passages_dropped"]} if t.get("passages_dropped") else {}),
             "peak_mb": mem.peak, **({"gpu_peak_mb": mem.gpu_mb} if mem.gpu_mb is not None else {}),
             "attention_used": used, "n_passages": len(passages), **({"error": error} if error else {})}
@@ -763,7 +773,7 @@ def open_collection(qa, context_sha256: str, max_new: int, cfg: EvalConfig | Non
         raise ContextIndexError(f"{doc}: the record's context was not written (the jsonl builder writes it)")
     root = doc.parent.parent
     item = LongDocQA(store=root / "store", model=qa.model_name, weights=qa.weights, kv_dtype=qa.kv_dtype,
-                     max_new_tokens=max_new, chunk_tokens=st["chunk_tokens"], overlap_tokens=st["overlap_tokens"])
+                     chat_template=qa.chat_template, max_new_tokens=max_new, chunk_tokens=st["chunk_tokens"], overlap_tokens=st["overlap_tokens"])
     report = item.ingest([doc])
     f = report.files[0]
     if f.status == "error":
@@ -899,9 +909,10 @@ class PredictionCache:
         self.db.close()
 
 
-def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int) -> str:
+def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int, chat=None) -> str:
     """Hash of everything besides the mode and example id that changes a prediction (data, model,
-    seed, lengths of answers and contexts, ...); --limit, --modes and the position lists are left out."""
+    seed, lengths of answers and contexts, the chat template's text when the model is prompted through
+    one: `chat`, a `ChatFormat`); --limit, --modes and the position lists are left out."""
     data = Path(cfg.data).resolve()
     size = data.stat().st_size if data.is_file() else sorted((p.name, p.stat().st_size) for p in data.glob("*.txt"))
     niah = Path(cfg.niah_config).read_text() if cfg.niah_config else ""
@@ -911,6 +922,8 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int) -> str:
         key.append([KV_INSTRUCTION, KV_ANSWER_PREFIX])
     if cfg.max_length is not None:  # (added later: unset keeps the earlier hashes)
         key.append(["max_length", cfg.max_length])
+    if chat is not None:  # base-model prompts keep their hashes
+        key.append(["chat", chat.opening + chat.lead, chat.closing, list(chat.stop_ids), list(chat.stop_strings)])
     return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
 
 
@@ -976,8 +989,9 @@ def run(cfg: EvalConfig) -> dict:
         store = out / f"corpus-{hashlib.sha256(str(Path(cfg.data).resolve()).encode()).hexdigest()[:10]}" / "store"
     else:
         store = out / "store"
-    qa = LongDocQA(store=store, model=cfg.model, max_new_tokens=max_new, weights=cfg.weights)
-    config = settings_hash(cfg, qa.llm.fingerprint, max_new)
+    qa = LongDocQA(store=store, model=cfg.model, max_new_tokens=max_new, weights=cfg.weights,
+                   chat_template=cfg.chat_template)
+    config = settings_hash(cfg, qa.llm.fingerprint, max_new, qa.chat_format())
     examples = BUILDERS[cfg.benchmark](cfg, qa)
     cache = PredictionCache(out / "predictions.sqlite")
     rows: dict[tuple, dict] = {}
@@ -1021,7 +1035,8 @@ def run(cfg: EvalConfig) -> dict:
     ordered = [rows[(ex["id"], m)] for ex in examples for m in modes]
     scored = [r for r in ordered if not r.get("error")]
     result = {"benchmark": cfg.benchmark, "metric": METRIC[cfg.benchmark], "model": qa.model_name,
-              "settings": asdict(cfg) | {"max_new_tokens": max_new, "settings_hash": config, "weights": qa.weights},
+              "settings": asdict(cfg) | {"max_new_tokens": max_new, "settings_hash": config, "weights": qa.weights,
+                                         "chat_template": "model" if qa.chat_format() else "none"},
               "modes": [summarize([r for r in scored if r["mode"] == m.label], cfg.benchmark)
                         | {"mode": m.label, "errors": sum(r["mode"] == m.label for r in errors)} for m in modes],
               "computed": len(todo), "cached": n_cached, "errors": len(errors), "rows": ordered}
@@ -1211,6 +1226,9 @@ def add_arguments(p) -> None:
                    help="gemma3-270m (default), smollm2-135m, a .gguf file or a Hugging Face model directory")
     p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0", "gguf"], default=None,
                    help="the LLM's weight format (default: ldqa's default, gguf for a GGUF model, q8_0 for a HF directory); the hf mode runs transformers in fp32, so compare it with --weights fp32 for exact parity")
+    p.add_argument("--chat-template", choices=["auto", "none"], default="auto",
+                   help="auto (default): a model with a chat template (an instruct model) is prompted through it; "
+                        "none: the base-model prompt for every model")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap (default: per benchmark)")
     p.add_argument("--n-passages", type=int, default=10, help="nq-multidoc: passages per question")
     p.add_argument("--gold-positions", default="default",

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-weight models of every supported family (built with transformers, so
-they double as parity references) and paths to the shared data."""
+they double as parity references; base models: their tokenizer carries no chat template) and paths to
+the shared data."""
 
 from __future__ import annotations
 
@@ -71,10 +72,23 @@ def tiny_model_dir(tmp_path_factory, small_tokenizer):
             d = tmp_path_factory.mktemp(f"tiny-{family}")
             model.save_pretrained(d)
             small_tokenizer.hf.save_pretrained(d)
+            _drop_chat_template(d)  # a base model: the chat-template path has its own tests (test_chat.py)
             made[family] = d
         return made[family]
 
     return make
+
+
+def _drop_chat_template(d: Path) -> None:
+    """Remove the chat template from a saved tokenizer (SmolLM2-Instruct's tokenizer ships ChatML)."""
+    import json
+
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = d / "tokenizer_config.json"
+    if cfg.exists():
+        data = json.loads(cfg.read_text())
+        data.pop("chat_template", None)
+        cfg.write_text(json.dumps(data, indent=1))
 
 
 @pytest.fixture
