@@ -614,8 +614,9 @@ class LongDocQA:
                 built.stats.bucket_steps_chosen = list(built.runner.chosen)
         text, cited = gen.text.strip(), None
         if chat is not None:  # an instruct model's answer: the passage markers become citations, out of the text
-            text, numbers = split_citations(text)
+            clean, numbers = split_citations(text)
             cited = text + " " + "".join(f"[{n}]" for n in numbers)
+            text = clean or text  # an answer that is only "[2]" stays visible as such
         stream.answer = Answer(question, text, cite(cited or text, built.passages), built.passages,
                                _timings(gen.stats, retrieval_ms, _ms(t0), built), settings)
 

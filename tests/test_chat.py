@@ -263,3 +263,31 @@ def test_the_api_prompts_an_instruct_model_through_its_template(family_tokenizer
     assert again.timings["kv_hits"] == 0  # the base prompt's prefix keys other blocks
     with pytest.raises(ValueError, match="chat_template"):
         LongDocQA(store=tmp_path / "store", model=str(model_dir), chat_template="yes")
+
+
+SAMPLE = __import__("pathlib").Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"])
+def test_packaged_instruct_models_answer_through_their_template(model, tmp_path):
+    """The real Qwen2.5 Instruct models (assembled from their part packages, sha256 checked): the prompt
+    equals apply_chat_template's tokens, the answer is the assistant's turn alone, ended by <|im_end|>, its
+    [n] marker taken out and made a citation; block reuse answers the same way."""
+    from ldqa.app.api import LongDocQA
+
+    qa = LongDocQA(store=tmp_path / "store", model=model)
+    qa.ingest([SAMPLE])
+    q = "According to service bulletin SB-2024-07, to what torque must each fan hub bolt be tightened?"
+    passages = qa.retrieve(q, top_k=5)
+    chat = qa.chat_format()
+    tok = qa.llm.tokenizer
+    assert chat is not None and chat.stop_ids == (tok.hf.convert_tokens_to_ids("<|im_end|>"),)
+    assert build_prompt(tok, passages, q, chat=chat).ids() == _reference_ids(tok, chat, passages, q)
+    ans = qa.ask(q)
+    assert ans.settings["chat_template"] == "model" and ans.timings["stop_reason"] == "eos"
+    assert "18 Nm" in ans.text and len(ans.text.split()) <= 6, ans.text
+    assert "[" not in ans.text and "<|" not in ans.text
+    assert any(c.path.endswith("service_bulletin.pdf") and c.page == 2 for c in ans.citations)
+    block = qa.ask(q, attention="block", debias="none")
+    assert block.timings["kv_misses"] == 5 and "18 Nm" in block.text, block.text
