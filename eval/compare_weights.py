@@ -1,4 +1,4 @@
-"""Paired comparison of `ldqa eval` runs that differ only in the weight format.
+"""Paired comparison of `ldqa eval` runs that differ in one setting (weight format, model, chat template).
 
     python -m ldqa.eval.compare_weights [--mode full] [--ref-mode M] out/eval-weights-fp32 out/eval-weights-int8 [...]
 
@@ -6,7 +6,9 @@ The first directory is the reference; rows of the eval mode `full` are compared 
 pick another; `--ref-mode M` takes the reference's rows from another mode, e.g. a run's `block` rows
 against its own `full` rows: `--mode block --ref-mode full DIR DIR`). For each other run: the examples both runs answered (same
 `example_id`), the mean score of each, the paired difference (points) with its standard error, how many
-predictions are word for word the reference's, and the median TTFT and decode tokens/s of each.
+predictions are word for word the reference's, the median TTFT and decode tokens/s of each, the token F1
+of each (SQuAD's, which punishes padding that best-subspan EM rewards) with its paired difference, the
+mean words per answer, and how many answers stopped at the token cap (rows with a `stop_reason`).
 Each argument is a run's directory (its `results.csv`, written by `ldqa eval`) or such a file itself,
 plain or gzipped (`docs/data/weights-nq200/*.csv.gz` are the rows of docs/results.md's 200-question
 runs).
@@ -41,14 +43,29 @@ def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | 
     ids = sorted(set(a) & set(b))
     if len(ids) < 2:
         raise ValueError(f"{ref_dir} and {other_dir} share {len(ids)} examples; at least 2 are needed")
+    from ldqa.eval.metrics import token_f1
+
     d = [float(b[i]["score"]) - float(a[i]["score"]) for i in ids]
     med = lambda rows, k: statistics.median(float(rows[i][k]) for i in ids)  # noqa: E731
-    return {"run": str(other_dir), "n": len(ids), "ref_score": statistics.fmean(float(a[i]["score"]) for i in ids),
+    has_answers = all("answers" in r[i] for r in (a, b) for i in ids)
+    f1 = {n: [token_f1(r[i]["prediction"], r[i]["answers"].split(" | ")) if has_answers else 0.0 for i in ids]
+          for n, r in (("a", a), ("b", b))}
+    df = [y - x for x, y in zip(f1["a"], f1["b"])]
+    words = lambda rows: statistics.fmean(len(rows[i]["prediction"].split()) for i in ids)  # noqa: E731
+    capped = lambda rows: (sum(rows[i].get("stop_reason") == "max_new_tokens" for i in ids)  # noqa: E731
+                           if all(rows[i].get("stop_reason") for i in ids) else None)
+    f1_stats = {"ref_f1": statistics.fmean(f1["a"]), "f1": statistics.fmean(f1["b"]),
+                "f1_diff_points": 100 * statistics.fmean(df),
+                "f1_se_points": 100 * statistics.stdev(df) / len(df) ** 0.5} if has_answers else \
+        dict.fromkeys(("ref_f1", "f1", "f1_diff_points", "f1_se_points"))
+    return {**f1_stats,
+            "ref_words": words(a), "words": words(b), "ref_at_cap": capped(a), "at_cap": capped(b),
+            **{"run": str(other_dir), "n": len(ids), "ref_score": statistics.fmean(float(a[i]["score"]) for i in ids),
             "score": statistics.fmean(float(b[i]["score"]) for i in ids),
             "diff_points": 100 * statistics.fmean(d), "se_points": 100 * statistics.stdev(d) / len(d) ** 0.5,
             "identical_predictions": sum(a[i]["prediction"].strip() == b[i]["prediction"].strip() for i in ids),
             "ref_ttft_ms": med(a, "ttft_ms"), "ttft_ms": med(b, "ttft_ms"),
-            "ref_tokens_per_s": med(a, "tokens_per_s"), "tokens_per_s": med(b, "tokens_per_s")}
+            "ref_tokens_per_s": med(a, "tokens_per_s"), "tokens_per_s": med(b, "tokens_per_s")}}
 
 
 def main(argv=None) -> int:
@@ -65,14 +82,22 @@ def main(argv=None) -> int:
         return 2
     ref = Path(argv[0])
     print(f"reference: {ref} ({ref_mode or mode} rows), compared: {mode} rows")
-    print("| run | n | reference EM | EM | paired diff (points) | SE | identical | TTFT ms ref -> run | tok/s ref -> run |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | n | reference EM | EM | paired diff (points) | SE | identical | TTFT ms ref -> run | "
+          "tok/s ref -> run | F1 ref -> run | F1 diff (SE) | words ref -> run | at cap ref -> run |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for o in argv[1:]:
         c = compare(ref, Path(o), mode, ref_mode)
         print(f"| {o} | {c['n']} | {c['ref_score']:.3f} | {c['score']:.3f} | {c['diff_points']:+.1f} | "
               f"{c['se_points']:.1f} | {c['identical_predictions']}/{c['n']} | {c['ref_ttft_ms']:.0f} -> "
-              f"{c['ttft_ms']:.0f} | {c['ref_tokens_per_s']:.1f} -> {c['tokens_per_s']:.1f} |")
+              f"{c['ttft_ms']:.0f} | {c['ref_tokens_per_s']:.1f} -> {c['tokens_per_s']:.1f} | "
+              + (f"{c['ref_f1']:.3f} -> {c['f1']:.3f} | {c['f1_diff_points']:+.1f} ({c['f1_se_points']:.1f}) | "
+                 if c["f1"] is not None else "- | - | ") +
+              f"{c['ref_words']:.1f} -> {c['words']:.1f} | {_n(c['ref_at_cap'])} -> {_n(c['at_cap'])} |")
     return 0
+
+
+def _n(v) -> str:
+    return "-" if v is None else str(v)
 
 
 if __name__ == "__main__":

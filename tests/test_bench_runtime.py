@@ -65,6 +65,19 @@ def test_compare_weights_pairs_examples_of_one_mode(tmp_path):
     assert m["n"] == 2 and m["diff_points"] == -50.0 and m["identical_predictions"] == 2
 
 
+def test_compare_weights_reports_f1_words_and_answers_at_the_cap(tmp_path):
+    from ldqa.eval.compare_weights import compare, main
+
+    head = "mode,example_id,answers,prediction,score,ttft_ms,tokens_per_s,stop_reason\n"
+    (tmp_path / "a.csv").write_text(head + "full,q1,18 Nm,The bolts take 18 Nm of torque says passage,1,10,5,max_new_tokens\n"
+                                    "full,q2,E-14 | E14,no idea,0,10,5,eos\n")
+    (tmp_path / "b.csv").write_text(head + "full,q1,18 Nm,18 Nm,1,5,9,eos\nfull,q2,E-14 | E14,E-14,1,5,9,eos\n")
+    c = compare(tmp_path / "a.csv", tmp_path / "b.csv")
+    assert c["f1"] == 1.0 and 0 < c["ref_f1"] < 0.5 and c["f1_diff_points"] > 50  # padding costs F1, not EM
+    assert (c["ref_words"], c["words"]) == (5.5, 1.5) and (c["ref_at_cap"], c["at_cap"]) == (1, 0)
+    assert main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]) == 0
+
+
 def test_kv_read_bytes_counts_a_sliding_layer_s_window_only():
     from types import SimpleNamespace
 
