@@ -32,15 +32,16 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 CHAT_TEMPLATE_MODES = ("auto", "none")
-# The system instruction of chat prompts: the answer copied from its passage (what EM and F1 score, and
-# what reads well), then the passage it rests on as [n] (parsed into a citation and taken out of the text).
-# On the bundled sample's 6 questions, Qwen2.5-Coder-1.5B-Instruct: 6/6 with this wording, 4/6 asked for
-# "as few words as possible" (it cut a serial number short), 6/6 but with sentences and literal "[n]"s with
-# the plain prompt's wording (docs/results.md, "Models and chat templates").
+# The system instruction of chat prompts: the answer alone, copied from its passage (what EM and F1 score,
+# and what reads well). It does not ask for [n] markers: asked for the answer "then the passage's number in
+# brackets", Qwen2.5-Coder-0.5B-Instruct answered 26 of 30 NQ-open questions with a marker alone (EM 0.033
+# against 0.367 with this wording, the same 30 answers; docs/results.md, "Models and chat templates").
+# Citations then come from the answer's text (`ldqa.app.citations`), and markers a model writes anyway
+# become citations and leave the text (`split_citations`).
 CHAT_INSTRUCTION = (
-    "Answer the question from the numbered passages in the user's message (some may be irrelevant). Copy the "
-    "answer exactly as it is written in the passage that contains it (a name, number, date, code or short "
-    "phrase), then give that passage's number in brackets, for example: 14 May 1912 [2]. Do not explain."
+    "Answer the question using the passages in the user's message (some may be irrelevant). Reply with the "
+    "answer only, copied exactly as it is written in the passage: a name, number, date or short phrase, with "
+    "no explanation."
 )
 _SENTINEL = "\u2063LDQA-USER-TEXT\u2063"  # invisible separator around a word no template writes
 
