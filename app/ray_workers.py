@@ -298,7 +298,8 @@ class KVWorker:
     """A Ray actor of ``ldqa ingest --precompute-kv --ray``: a `LongDocQA` on the driver's store (reached
     directly: one machine or a shared filesystem) encoding chunks' KV blocks into its ``kv/`` directory."""
 
-    def __init__(self, store: str, probe_path: str, model_name: str, weights: str, kv_dtype: str, threads: int):
+    def __init__(self, store: str, probe_path: str, model_name: str, weights: str, kv_dtype: str, threads: int,
+                 chat_template: str = "auto"):
         from ldqa.app.api import LongDocQA
 
         if not reachable(probe_path):
@@ -306,7 +307,8 @@ class KVWorker:
                                f"{os.uname().nodename}; put it on a filesystem every worker reaches, or "
                                "precompute without --ray")
         set_threads(threads)
-        self.qa = LongDocQA(store=store, model=model_name, weights=weights, kv_dtype=kv_dtype)
+        self.qa = LongDocQA(store=store, model=model_name, weights=weights, kv_dtype=kv_dtype,
+                            chat_template=chat_template)  # the same prompt prefix as the driver's: the same block keys
 
     def encode(self, rows: list[dict]) -> int:
         """Encode and store the blocks of chunk `rows` (`LongDocQA.encode_rows`); returns how many were
@@ -323,7 +325,7 @@ def precompute_on_ray(ray, qa, rows: list[dict], workers: int | None, threads: i
     batches = [rows[i:i + 16] for i in range(0, len(rows), 16)]
     with probe(qa.store.path) as probe_path:
         pool = start_pool(ray, KVWorker, (str(qa.store.path.resolve()), probe_path, qa.model_name, qa.weights,
-                                          qa.kv_dtype, threads), workers, threads)
+                                          qa.kv_dtype, threads, qa.chat_template), workers, threads)
         computed = 0
         try:
             for i, n in pool.map_unordered(lambda actor, b: actor.encode.remote(b), batches):
