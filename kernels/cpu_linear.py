@@ -68,6 +68,30 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, amax / 32767.0
 
 
+def quantize_activations_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32, K % 256 == 0 -> (x8 (M, K) int8, xd (M, K/256) float32) with x ~= xd * x8 per block
+    of 256, xd = amax / 127 (as `q8_0.c` rounds the K types' activations: nearest, ties to even; ggml's
+    Q8_K)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 256, 256)  # (M, S, 256)
+    amax = xb.abs().amax(-1)  # (M, S)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    x8 = torch.round(xb * inv[..., None]).to(torch.int8).reshape(m, k)
+    return x8, amax / 127.0
+
+
+OUTLIER_RATIO = 12.0  # as q8_0.c's: a block of 256 whose amax is over this many times its RMS
+
+
+def outlier_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) -> (M, K/256) bool: the blocks of 256 whose largest |x| is over OUTLIER_RATIO times their RMS,
+    which the K types read at int16 per 32 instead of int8 per 256 (`gguf_blocks.h`)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 256, 256)
+    amax = xb.abs().amax(-1)
+    return amax * amax > OUTLIER_RATIO * OUTLIER_RATIO * ((xb * xb).sum(-1) / 256.0)
+
+
 def linear_q8_0_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """y = x W^T for a Q8_0 weight, in torch, with the kernel's arithmetic (int16 activations per block,
     exact integer block sums, fp32 scaling). Summation order differs from the kernel's (8-lane partial
@@ -122,14 +146,20 @@ def dequantize_gguf_reference(blocks: torch.Tensor, ggml_type: int, k: int) -> t
 
 def linear_gguf_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """y = x W^T for a weight in GGUF block type `ggml_type`, in torch, with the kernel's arithmetic: x rounded
-    to int16 per block of 32 (`quantize_activations`), W as the `gguf` package dequantizes it. Summation
-    order differs from the kernel's, so results agree to fp32 rounding.
+    to int16 per block of 32 (`quantize_activations`; the K types Q4_K and Q6_K with one row of x, a decode
+    step: to int8 per block of 256, `quantize_activations_k`, as ggml's Q8_K, except blocks holding an
+    outlier, `outlier_blocks`), W as the `gguf` package dequantizes it. Summation order
+    differs from the kernel's, so results agree to fp32 rounding.
 
     x: (M, K) float32; blocks: (N, row bytes) uint8 -> y: (M, N) float32.
     """
     m, k = x.shape
     xq, xd = quantize_activations(x)
     xr = (xq.float().reshape(m, k // QK, QK) * xd[..., None]).reshape(m, k)  # the rounded activations
+    if GGUF_BLOCK_TYPES.get(ggml_type, ("", 32))[1] == 256 and m == 1:  # decode: int8 per 256 (but outliers)
+        x8, xd8 = quantize_activations_k(x)
+        xr8 = (x8.float().reshape(m, k // 256, 256) * xd8[..., None])
+        xr = torch.where(outlier_blocks(x)[..., None], xr.reshape(m, k // 256, 256), xr8).reshape(m, k)
     w = dequantize_gguf_reference(blocks, ggml_type, k)
     return (xr.double() @ w.double().t()).float()
 

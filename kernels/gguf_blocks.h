@@ -200,7 +200,9 @@ static inline void q4_k_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
     }
 }
 
-/* Q4_K: per 64 weights, 32 bytes of nibbles: low nibbles are sub-block 2j, high ones sub-block 2j + 1 */
+/* Q4_K against int16 activations per 32 (the K types' precise path, `rowk_*` below: super-blocks whose
+ * activations hold an outlier): per 64 weights, 32 bytes of nibbles: low nibbles are sub-block 2j, high
+ * ones sub-block 2j + 1 */
 static float row_q4_k(const uint8_t *w, const int16_t *xq, const float *xd, const int32_t *xs, int64_t nb) {
     __m256 e = _mm256_setzero_ps(), o = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -231,7 +233,8 @@ static inline __m256i q6_k_values(__m256i ql_lo, __m256i ql_hi, __m256i qh, int 
     return _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
 }
 
-/* Q6_K: two halves of 128 weights per 256; each 32-block has two sub-blocks of 16 with their own scale */
+/* Q6_K against int16 activations per 32 (the precise path): two halves of 128 weights per 256; each
+ * 32-block has two sub-blocks of 16 with their own scale */
 static float row_q6_k(const uint8_t *w, const int16_t *xq, const float *xd, const int32_t *xs, int64_t nb) {
     (void)xs;
     __m256 e = _mm256_setzero_ps(), o = _mm256_setzero_ps();
@@ -259,65 +262,149 @@ static float row_q6_k(const uint8_t *w, const int16_t *xq, const float *xd, cons
     return hsum256(_mm256_add_ps(e, o));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* With AVX-512 (the dev machine's Zen 4; the build targets -march=native), Q4_K: 32 bytes of a 64-weight
- * chunk go straight to 32 int16 lanes of one zmm (no byte stage), one madd covers a block, and the
- * combined scales and offsets of a super-block are formed 8 at a time. Same integer sums as the AVX2 loop.
- * Measured against it (M = 1, one thread, 640 x 2048, fastest of 64 cold calls): 0.76x the time. (Q6_K
- * with zmm measured the same as its AVX2 loop, and the 32-block types' zmm loops no faster than their
- * 256-bit ones with AVX-512VL lane masks: they keep those.) */
-/* acc + (32 int16 values . 32 int16 activations, as 16 exact int32 pair sums) * s */
-static inline __m512 fma_block512(__m512i v, const int16_t *x, float s, __m512 acc) {
-    const __m512i p = _mm512_madd_epi16(v, _mm512_loadu_si512((const void *)x));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(s), acc);
+/* The K types read activations rounded to int8 with one scale per 256 (`quantize_xk` in q8_0.c, as ggml's
+ * Q8_K): a byte of weight times a byte of activation (maddubs, unsigned weight x signed activation, pairs
+ * summed to int16), the sub-block scales applied in integers (madd with int16 scales), and one conversion
+ * to fp32 per 256 weights. bs: the int32 sum of each 16 activations (for Q4_K's mins and Q6_K's -32).
+ * Why: with int16 activations per 32, every 32 weights needed their own conversion and FMA (about twice the
+ * vector operations; Qwen2.5 1.5B's decode is mostly Q4_K and Q6_K bytes).
+ * This is for decode (one row of activations: `mats_linear` with M = 1); calls of several rows (a short
+ * prefill, a block-mode question segment) keep int16 per 32 throughout, so prompts are computed as before.
+ * Except where an activation block holds an outlier (its largest |x| over OUTLIER_RATIO times its RMS, the
+ * `precise` flag of the block): int8 steps of amax / 127 would blur its other values (Gemma 3's
+ * activations hold such outliers; its next-token distribution moved 30x further from fp32's, KL 2.7e-3
+ * against 8e-5 per decode step; 1.2e-3 with this ratio), so those super-blocks take the int16-per-32 loop
+ * above. With OUTLIER_RATIO 12, ~6% of Qwen2.5's decode blocks take it (its KL ~1e-5 either way). Same result for any thread count. */
+
+/* one activation row as the K types read it: the int8 form per 256 (x8, xd8, bs) and, for the super-blocks
+ * flagged `precise`, the int16 form per 32 (xq, xd, xs: `quantize_x`) */
+typedef struct {
+    const int8_t *x8;
+    const float *xd8;
+    const int32_t *bs;
+    const uint8_t *precise;
+    const int16_t *xq;
+    const float *xd;
+    const int32_t *xs;
+} kx_t;
+
+/* Q4_K's 6-bit scales and mins of a super-block as 8 bytes each (ggml's get_scale_min_k4, 4 bytes at a
+ * time): a = bytes 0-3, b = 4-7, c = 8-11 of `scales[12]` */
+static inline void q4_k_scales8(const uint8_t *q, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint32_t s_hi = (c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4);
+    const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4);
+    *sc = (uint64_t)(a & 0x3f3f3f3f) | ((uint64_t)s_hi << 32);
+    *mn = (uint64_t)(b & 0x3f3f3f3f) | ((uint64_t)m_hi << 32);
 }
 
-/* Q4_K: 32 bytes of nibbles -> 32 int16 lanes once; low nibbles are sub-block 2j, high ones 2j + 1 */
-static float row512_q4_k(const uint8_t *w, const int16_t *xq, const float *xd, const int32_t *xs, int64_t nb) {
-    __m512 e = _mm512_setzero_ps(), o = _mm512_setzero_ps();
-    __m256 offv = _mm256_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi16(0x0F);
-    for (int64_t b0 = 0; b0 < nb; b0 += 8, w += 144) {
-        const float d = fp16_at(w), dmin = fp16_at(w + 2);
-        uint8_t sc[8], mn[8];
-        q4_k_scales(w + 4, sc, mn);
-        float c[8];
-        const __m256 xd8 = _mm256_loadu_ps(xd + b0);
-        _mm256_storeu_ps(c, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d),
-                                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)))),
-                                          xd8));
-        /* offsets: dmin * m_s * xd * xs of the 8 sub-blocks, summed in lanes */
-        offv = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dmin),
-                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)))),
-                               _mm256_mul_ps(xd8, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(xs + b0)))), offv);
-        for (int j = 0; j < 4; j++) {
-            const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j)));
-            const int64_t b = b0 + 2 * j;
-            e = fma_block512(_mm512_and_si512(q, m4), xq + b * 32, c[2 * j], e);
-            o = fma_block512(_mm512_srli_epi16(q, 4), xq + (b + 1) * 32, c[2 * j + 1], o);
+/* int16 lane j of each 128-bit half of v (8 int16 values, the same in both halves) in every lane of the
+ * low half, lane k in every lane of the high half */
+static inline __m256i pick16(__m256i v, int j, int k) {
+    const __m256i idx = _mm256_setr_m128i(_mm_set1_epi16((short)(2 * j | (2 * j + 1) << 8)),
+                                          _mm_set1_epi16((short)(2 * k | (2 * k + 1) << 8)));
+    return _mm256_shuffle_epi8(v, idx);
+}
+
+/* Q4_K: per 64 weights, 32 bytes of nibbles: low nibbles are sub-block 2j, high ones sub-block 2j + 1;
+ * w = d * sc * q - dmin * m per sub-block, so y = xd * (d * sum sc_j (q . x8)_j - dmin * sum m_j bs_j) */
+static float rowk_q4_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
+    __m256 acc = _mm256_setzero_ps(), offv = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int8_t *x8 = a->x8;
+    const float *xd = a->xd8;
+    const int32_t *bs = a->bs;
+    float precise = 0.0f;
+    for (int64_t s = 0; s < nsb; s++, w += 144, x8 += 256, bs += 16) {
+        if (a->precise[s]) {
+            precise += row_q4_k(w, a->xq + 256 * s, a->xd + 8 * s, a->xs + 8 * s, 8);
+            continue;
         }
+        const float d = fp16_at(w) * xd[s], dmin = fp16_at(w + 2) * xd[s];
+        uint64_t sc, mn;
+        q4_k_scales8(w + 4, &sc, &mn);
+        const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+            const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x8 + 64 * j)));
+            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x8 + 64 * j + 32)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p0, pick16(s16, 2 * j, 2 * j)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p1, pick16(s16, 2 * j + 1, 2 * j + 1)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
+        /* the sums of the 8 sub-blocks of 32 from the 16 sums of 16, in order */
+        const __m256i b32 = _mm256_permute4x64_epi64(
+            _mm256_hadd_epi32(_mm256_loadu_si256((const __m256i *)bs), _mm256_loadu_si256((const __m256i *)(bs + 8))),
+            0xD8);
+        const __m256i mins = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)), b32);
+        offv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin), offv);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(e, o)) - hsum256(offv);
+    return hsum256(acc) - hsum256(offv) + precise;
 }
 
-#endif
+/* Q6_K: two halves of 128 weights per 256; value block k (0-3) of a half: low (k < 2) or high nibbles of
+ * ql[(k & 1) * 32 ..] with bits 2k, 2k + 1 of qh as bits 4-5 (q in 0-63, w = d * sc * (q - 32)); 16
+ * sub-blocks of 16 with int8 scales: y = xd * d * (sum sc_s (q . x8)_s - 32 sum sc_s bs_s) */
+static float rowk_q6_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    const int8_t *x8 = a->x8;
+    const float *xd = a->xd8;
+    const int32_t *bs = a->bs;
+    float precise = 0.0f;
+    for (int64_t s = 0; s < nsb; s++, w += 210, x8 += 256, bs += 16) {
+        if (a->precise[s]) {
+            precise += row_q6_k(w, a->xq + 256 * s, a->xd + 8 * s, a->xs + 8 * s, 8);
+            continue;
+        }
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192)); /* 16 int8 scales */
+        __m256i off = _mm256_add_epi32(
+            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)bs)),
+            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)), _mm256_loadu_si256((const __m256i *)(bs + 8))));
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h))));
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)qh);
+            for (int k = 0; k < 4; k++) {
+                const __m256i src = (k & 1) ? hi : lo;
+                const __m256i nib = k < 2 ? _mm256_and_si256(src, m4) : _mm256_and_si256(_mm256_srli_epi16(src, 4), m4);
+                const __m256i top = _mm256_and_si256(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(2 * k)), m3);
+                const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(top, 4));
+                const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x8 + 128 * h + 32 * k)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, pick16(s16, 2 * k, 2 * k + 1)));
+            }
+        }
+        sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(off, 5));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(fp16_at(w + 208) * xd[s]), acc);
+    }
+    return hsum256(acc) + precise;
+}
 
 typedef float (*gguf_row_fn)(const uint8_t *, const int16_t *, const float *, const int32_t *, int64_t);
+typedef float (*gguf_rowk_fn)(const uint8_t *, const kx_t *, int64_t);
 
-/* the row function of a block type (not Q8_0, which q8_0.c reads in its split layout); NULL if unknown */
+/* the row function of a 32-block type (not Q8_0, which q8_0.c reads in its split layout); NULL otherwise */
 static inline gguf_row_fn gguf_row(int64_t type) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (type == T_Q4_K) return row512_q4_k;
-#endif
     switch (type) {
     case T_Q4_0: return row_q4_0;
     case T_Q4_1: return row_q4_1;
     case T_Q5_0: return row_q5_0;
     case T_Q5_1: return row_q5_1;
-    case T_Q4_K: return row_q4_k;
-    case T_Q6_K: return row_q6_k;
     default: return NULL;
     }
+}
+
+/* the row function of a K type (int8 activations per 256); NULL otherwise */
+static inline gguf_rowk_fn gguf_rowk(int64_t type) {
+    return type == T_Q4_K ? rowk_q4_k : type == T_Q6_K ? rowk_q6_k : NULL;
 }
 
 /* Dequantize one row (K weights) of type `type` into out (K,) fp32: the same values the `gguf` package's

@@ -61,6 +61,35 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int16_t *xq, float 
     }
 }
 
+/* an activation block of 256 whose largest |x| is over this many times its RMS is read at int16 per 32 by
+ * the K types (gguf_blocks.h, `precise`): 256 Gaussian values reach about 3 */
+#define OUTLIER_RATIO 12.0f
+
+/* x (M, K) fp32 -> the K types' activations (as ggml's Q8_K): x8 (M, K) int8 and xd (M, K / 256) fp32 with
+ * x ~= xd * x8 per block of 256 (xd = amax / 127, nearest, ties to even), bs (M, K / 16) int32, the sum of
+ * each 16 of x8, and precise (M, K / 256): 1 where the block's amax > OUTLIER_RATIO * its RMS */
+static void quantize_xk(const float *x, int64_t M, int64_t K, int8_t *x8, float *xd, int32_t *bs,
+                        uint8_t *precise) {
+    for (int64_t i = 0; i < M * K / 256; i++) {
+        const float *xb = x + i * 256;
+        float amax = 0.0f, ss = 0.0f;
+        for (int j = 0; j < 256; j++) {
+            const float a = xb[j] < 0 ? -xb[j] : xb[j];
+            amax = a > amax ? a : amax;
+            ss += xb[j] * xb[j];
+        }
+        precise[i] = amax * amax > OUTLIER_RATIO * OUTLIER_RATIO * (ss / 256.0f);
+        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+        xd[i] = amax / 127.0f;
+        for (int j = 0; j < 256; j++) x8[i * 256 + j] = (int8_t)__builtin_lrintf(xb[j] * inv);
+        for (int g = 0; g < 16; g++) {
+            int32_t sum = 0;
+            for (int j = 0; j < 16; j++) sum += x8[i * 256 + g * 16 + j];
+            bs[i * 16 + g] = sum;
+        }
+    }
+}
+
 /* sum over one block of 32: int8 weights (already widened to two int16 vectors) . int16 activations */
 static inline __m256 block_dot(__m256i w0, __m256i w1, const int16_t *xq) {
     const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xq));
@@ -182,27 +211,46 @@ typedef struct {
  * does not fit (K a multiple of 32, of 256 for the K types, at most 65536), 2 for no memory. */
 static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, int64_t K, float *y, int threads) {
     if (nm < 1 || nm > MAX_MATS || K % QK || K / QK > MAX_BLOCKS) return 1;
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, nsb = K / 256;
     int64_t start[MAX_MATS + 1], row_bytes[MAX_MATS];
     gguf_row_fn fn[MAX_MATS];
+    gguf_rowk_fn fnk[MAX_MATS];
+    int any_k = 0;
     start[0] = 0;
     for (int i = 0; i < nm; i++) {
-        fn[i] = mats[i].type == T_Q8_0 ? NULL : gguf_row(mats[i].type);
+        fn[i] = gguf_row(mats[i].type);
+        fnk[i] = gguf_rowk(mats[i].type);
+        any_k |= fnk[i] != NULL;
         row_bytes[i] = gguf_row_bytes(mats[i].type, K);
-        if (!row_bytes[i] || (mats[i].type == T_Q8_0 && !mats[i].d) || (mats[i].type != T_Q8_0 && !fn[i])) return 1;
+        if (!row_bytes[i] || (mats[i].type == T_Q8_0 && !mats[i].d) || (mats[i].type != T_Q8_0 && !fn[i] && !fnk[i]))
+            return 1;
         start[i + 1] = start[i] + mats[i].n;
     }
     const int64_t N = start[nm];
     int16_t *xq = malloc(M * K * sizeof(int16_t));
     float *xd = malloc(M * nb * sizeof(float));
     int32_t *xs = malloc(M * nb * sizeof(int32_t));
-    if (!xq || !xd || !xs) {
+    /* the K types' int8 activations (only when a K-type matrix is in the call; K % 256 == 0 then) */
+    int8_t *x8 = any_k ? malloc(M * K) : NULL;
+    float *xd8 = any_k ? malloc(M * nsb * sizeof(float)) : NULL;
+    int32_t *bs = any_k ? malloc(M * (K / 16) * sizeof(int32_t)) : NULL;
+    uint8_t *precise = any_k ? malloc(M * nsb) : NULL;
+    if (!xq || !xd || !xs || (any_k && (!x8 || !xd8 || !bs || !precise))) {
+        free(precise);
         free(xq);
         free(xd);
         free(xs);
+        free(x8);
+        free(xd8);
+        free(bs);
         return 2;
     }
     quantize_x(x, M, K, xq, xd, xs);
+    if (any_k && M == 1) {
+        quantize_xk(x, M, K, x8, xd8, bs, precise);
+    } else if (any_k) { /* several rows (a short prefill, a question segment): int16 per 32 throughout */
+        memset(precise, 1, M * nsb);
+    }
     const int pf = K <= PF_MAX_K;
 #pragma omp parallel num_threads(threads)
     {
@@ -218,6 +266,14 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
             const int64_t n = r - start[i];
             const uint8_t *wn = (const uint8_t *)mats[i].w + n * row_bytes[i];
             float *yn = y + r;
+            if (fnk[i]) {
+                for (int64_t m = 0; m < M; m++) {
+                    const kx_t a = {x8 + m * K, xd8 + m * nsb, bs + m * (K / 16), precise + m * nsb,
+                                    xq + m * K, xd + m * nb, xs + m * nb};
+                    yn[m * N] = fnk[i](wn, &a, nsb);
+                }
+                continue;
+            }
             if (fn[i]) {
                 for (int64_t m = 0; m < M; m++) yn[m * N] = fn[i](wn, xq + m * K, xd + m * nb, xs + m * nb, nb);
                 continue;
@@ -236,6 +292,10 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
     free(xq);
     free(xd);
     free(xs);
+    free(x8);
+    free(xd8);
+    free(bs);
+    free(precise);
     return 0;
 }
 

@@ -58,9 +58,41 @@ def test_kernel_matches_the_reference(ggml_type, m):
             torch.set_num_threads(1)
         # the same integer block sums, scaled in fp32 in another order
         assert float((y - ref).abs().max()) <= 1e-5 * scale, (ggml_type, m, threads)
-    # and against the exact product: the activations' int16 rounding (2^-16 of a block's largest value)
-    exact = x.double() @ C.dequantize_gguf_reference(blocks, ggml_type, k).double().t()
-    assert float((y.double() - exact).abs().max()) <= 2e-4 * scale
+    # and against the exact product: at most the activations' rounding, half a step per value (int16 per 32
+    # weights: a step is a block's largest value / 32767; the K types' int8 per 256: / 127), times |w|
+    w = C.dequantize_gguf_reference(blocks, ggml_type, k).double()
+    exact = x.double() @ w.t()
+    per, top = (256, 127.0) if C.GGUF_BLOCK_TYPES[ggml_type][1] == 256 else (32, 32767.0)
+    half_step = (x.abs().reshape(m, k // per, per).amax(-1, keepdim=True) / top / 2).expand(m, k // per, per)
+    bound = half_step.reshape(m, k).double() @ w.abs().t()
+    assert bool(((y.double() - exact).abs() <= bound * 1.001 + 1e-5 * scale).all())
+
+
+@pytest.mark.parametrize("ggml_type", [12, 14])  # Q4_K, Q6_K
+def test_k_types_decode_at_int8_but_outlier_blocks_at_int16(ggml_type):
+    # one row of x (a decode step): int8 per 256, except a block whose amax is an outlier (int16 per 32);
+    # several rows (a prefill): int16 per 32 throughout
+    k, n = 1024, 37
+    blocks = random_blocks(ggml_type, n, k, seed=ggml_type)
+    w = C.dequantize_gguf_reference(blocks, ggml_type, k).double()
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    x[0, 700] = -60.0  # block 2: amax / RMS ~ 15
+    assert C.outlier_blocks(x).tolist() == [[False, False, True, False]]
+    y = C.linear_gguf(x, blocks, ggml_type)
+    ref = C.linear_gguf_reference(x, blocks, ggml_type)
+    assert float((y - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    # the outlier block alone: int16's rounding (tight); an ordinary block alone: int8's (looser)
+    for keep, tol in ((slice(512, 768), 2e-4), (slice(0, 256), 2e-2)):
+        part = torch.zeros_like(x)
+        part[0, keep] = x[0, keep]
+        exact = part.double() @ w.t()
+        err = float((C.linear_gguf(part, blocks, ggml_type).double() - exact).abs().max())
+        assert err <= tol * float(exact.abs().max()), (keep, err)
+    assert float(C.linear_gguf(torch.zeros(1, k), blocks, ggml_type).abs().max()) == 0  # amax 0: no NaN
+    # two rows: both at int16 per 32, as the 32-block types
+    two = torch.cat([x, torch.randn(1, k, generator=torch.Generator().manual_seed(6))])
+    exact = two.double() @ w.t()
+    assert float((C.linear_gguf(two, blocks, ggml_type).double() - exact).abs().max()) <= 2e-4 * float(exact.abs().max())
 
 
 @pytest.mark.parametrize("ggml_type", [t for t in TYPES if C.GGUF_BLOCK_TYPES[t][1] == 32])
@@ -146,6 +178,6 @@ def test_packaged_models_keep_their_blocks_and_match_fp32(name, types):
     ids = lm.tokenizer.encode("Question: who wrote the novel Moby-Dick, published in 1851? Answer:")
     first, toks = _greedy(lm, ids, 16)
     ref_first, ref_toks = _greedy(loader.load_model(name, weights="fp32"), ids, 16)
-    # the very weights of fp32 (both read the same blocks): only the activations' int16 rounding differs
+    # the very weights of fp32 (both read the same blocks): only the activations' rounding differs
     assert float((first - ref_first).abs().max() / ref_first.abs().max()) < 2e-3
     assert toks == ref_toks
