@@ -89,3 +89,17 @@ def test_kv_read_bytes_counts_a_sliding_layer_s_window_only():
     assert bench_runtime.kv_read_bytes(cfg, 8192, 2) == (2 * 512 + 8192) * per_key // 2
     llama = SimpleNamespace(layer_types=[], sliding_window=None, num_layers=4, num_kv_heads=1, head_dim=8)
     assert bench_runtime.kv_read_bytes(llama, 10, 2) == 4 * 10 * 2 * 8 * 2
+
+
+def test_bench_decode_matrices_times_every_matrix_kind(tiny_model_dir, tmp_path):
+    from ldqa.eval import bench_decode_matrices as bench
+
+    assert bench.main(["--model", str(tiny_model_dir("qwen2")), "--weights", "q8_0", "--passes", "1",
+                       "--out", str(tmp_path)]) == 0
+    import json
+
+    res = json.loads((tmp_path / "bench-decode-matrices.json").read_text())
+    assert [r["matrix"] for r in res["rows"]] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj", "lm_head"]
+    assert all(r["ms"] > 0 and r["bytes"] > 0 and r["count"] == (1 if r["matrix"] == "lm_head" else 3)
+               for r in res["rows"])
