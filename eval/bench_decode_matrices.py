@@ -9,7 +9,9 @@ matrix in all layers, one layer after another (so each matrix is read from memor
 and the LM head; the fastest of `--passes` passes. Reported per kind: block type, shape, ms per token,
 bytes read and GB/s; and the total, which bounds the decode rate from above (attention, norms and the rest
 come on top). Random activations hold no outliers, so the K types' int8 path is timed throughout
-(docs/kernels.md 5c). Writes `<out>/bench-decode-matrices.json`.
+(docs/kernels.md 5c). `--decode-steps S`: also whole greedy decode steps (the model's own forward, fused
+C decode included) after a `--prompt-tokens` prompt (the sample's text, the same ids each time), the
+fastest of 3 runs of S steps, as ms per step and tokens/s. Writes `<out>/bench-decode-matrices.json`.
 """
 
 from __future__ import annotations
@@ -61,17 +63,38 @@ def measure(model, passes: int) -> list[dict]:
     return rows
 
 
+def decode_step_ms(lm, prompt_tokens: int, steps: int, runs: int = 3) -> float:
+    """Fastest mean time of one greedy decode step (ms) over `runs` runs of `steps` steps after prefilling
+    `prompt_tokens` ids of `bench_runtime.prompt_ids`."""
+    from ldqa.eval.bench_runtime import prompt_ids
+
+    ids, m = prompt_ids(lm.tokenizer, prompt_tokens), lm.model
+    best = float("inf")
+    for _ in range(runs):
+        cache = m.new_cache()
+        with torch.no_grad():
+            logits = m(torch.tensor([ids]), torch.arange(len(ids)), cache)
+            t0 = time.perf_counter()
+            for i in range(steps):
+                tok = int(logits[0, -1].argmax())
+                logits = m(torch.tensor([[tok]]), torch.tensor([len(ids) + i]), cache)
+            best = min(best, (time.perf_counter() - t0) / steps)
+    return best * 1e3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="packaged model name or GGUF path")
     ap.add_argument("--weights", default="gguf", help="weight format (gguf or q8_0: the decode kernel's)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--decode-steps", type=int, default=0, help="also time this many whole decode steps (0: no)")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt before the decode steps")
     ap.add_argument("--out", default="out/bench-decode-matrices")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, weights=args.weights).model
-    rows = measure(model, args.passes)
+    lm = load_model(args.model, weights=args.weights)
+    rows = measure(lm.model, args.passes)
     total_ms, total_b = sum(r["ms"] for r in rows), sum(r["bytes"] for r in rows)
     print(f"{args.model}, weights {args.weights}, {args.threads} thread(s), fastest of {args.passes} passes")
     print("| matrix | type | shape x count | ms per token | MB | GB/s |\n|---|---|---|---|---|---|")
@@ -80,10 +103,14 @@ def main(argv=None) -> int:
               f"{r['bytes'] / 1e6:.0f} | {r['gb_per_s']:.1f} |")
     print(f"| all | | | {total_ms:.1f} ({1000 / total_ms:.1f} tokens/s at most) | {total_b / 1e6:.0f} | "
           f"{total_b / total_ms / 1e6:.1f} |")
+    step = decode_step_ms(lm, args.prompt_tokens, args.decode_steps) if args.decode_steps else None
+    if step is not None:
+        print(f"whole decode step after {args.prompt_tokens} prompt tokens: {step:.1f} ms ({1000 / step:.1f} tokens/s)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-decode-matrices.json").write_text(json.dumps({"settings": vars(args), "rows": rows,
-                                                                 "total_ms": total_ms, "total_bytes": total_b}, indent=1))
+                                                                 "total_ms": total_ms, "total_bytes": total_b,
+                                                                 "decode_step_ms": step}, indent=1))
     return 0
 
 

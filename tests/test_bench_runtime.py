@@ -95,7 +95,7 @@ def test_bench_decode_matrices_times_every_matrix_kind(tiny_model_dir, tmp_path)
     from ldqa.eval import bench_decode_matrices as bench
 
     assert bench.main(["--model", str(tiny_model_dir("qwen2")), "--weights", "q8_0", "--passes", "1",
-                       "--out", str(tmp_path)]) == 0
+                       "--decode-steps", "2", "--prompt-tokens", "16", "--out", str(tmp_path)]) == 0
     import json
 
     res = json.loads((tmp_path / "bench-decode-matrices.json").read_text())
@@ -103,3 +103,4 @@ def test_bench_decode_matrices_times_every_matrix_kind(tiny_model_dir, tmp_path)
                                                   "down_proj", "lm_head"]
     assert all(r["ms"] > 0 and r["bytes"] > 0 and r["count"] == (1 if r["matrix"] == "lm_head" else 3)
                for r in res["rows"])
+    assert res["decode_step_ms"] > 0
