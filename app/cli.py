@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--retriever", choices=["hybrid", "dense", "bm25"], default="hybrid")
         p.add_argument("--attention", choices=["full", "block", "block+recompute", "retrieval"],
                        default=DEFAULT_ATTENTION,
-                       help=f"(default {DEFAULT_ATTENTION}, measured: README) full: exact attention over the prompt; block: reuse stored per-passage KV states "
+                       help=f"(default {DEFAULT_ATTENTION}, measured: docs/defaults.md) full: exact attention over the prompt; block: reuse stored per-passage KV states "
                             "(RoPE re-encoded); block+recompute: block plus recomputing a fraction of tokens; "
                             "retrieval: exact prefill, then decode attends to sink + recent window + top-k keys "
                             "from an ANN index over the cached keys (RetrievalAttention)")
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None,
                        help="(default: the attention mode's measured best, "
                             + ", ".join(f"{m}: {d}" for m, d in DEFAULT_DEBIAS.items())
-                            + "; README) position debiasing: calibrate (found-in-the-middle attention calibration), "
+                            + "; docs/defaults.md) position debiasing: calibrate (found-in-the-middle attention calibration), "
                             "calibrate+reorder (also move relevant passages to well-attended slots), "
                             "sort (attention sorting), buckets (Attention Buckets: parallel branches with "
                             "different RoPE bases; full attention only)")
