@@ -12,9 +12,9 @@
  * Each key and value row is read once for all the g = H / KV query heads that share it (GQA): the cost is
  * reading L * d * 8 bytes per KV head. Two parallel loops (OpenMP, `threads`): the scores over keys, then
  * the weighted sum of values, each thread a slice of d; the softmax in between is serial and vectorized
- * (exp256 below). For g = 1, 2, 4, 8 the loops are compiled per g (`G`): the g score sums of a key and the
+ * (exp256 below). For g = 1..8 the loops are compiled per g (`G`): the g score sums of a key and the
  * g x CW output values of a slice of CW dims stay in registers for the whole pass over the keys (the
- * generic loop, any g <= 16, keeps them in memory: issue 30 measured it ~3x slower at g = 4, d = 256).
+ * generic loop, any g <= 16, keeps them in memory and its softmax is serial: ~3x slower at g = 4, d = 256).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -79,18 +79,19 @@ static void softmax_columns(float *s, int64_t L, int64_t g, float *inv) {
     }
 }
 
-/* Tiled single pass for g = G query heads per KV head (G = 1, 2, 4, 8; d a multiple of 8 * NV): each
- * thread takes a contiguous range of keys in tiles of TILE; per tile, the scores of its keys (two keys at a
- * time: 2G independent FMA chains; the tile's value rows are prefetched meanwhile), their exps against
- * the running max (online softmax: the running sums are rescaled when the max grows), then the weighted
- * sum of the tile's value rows into the thread's (G, d) sums, slices of 8 * NV dims held in registers over
- * the tile. The threads' partial results are merged by their log-sum-exp (flash-decoding, Dao et al.
- * 2023). Reading K and V cold from memory (decode: every weight of a step passes through the caches
- * between two visits of a layer's KV) is most of the time, and the hardware prefetcher alone fetched them
- * at ~8 GB/s: the score loop asks for the key rows K_AHEAD ahead and for the tile's value rows.
- * Measured (issue 30, session 27; g = 4, d = 256, one thread, K/V cold, C harness): L = 512 ~90 us and
- * L = 1416 ~240 us per call, against ~140 / ~320 for two parallel loops with a serial softmax. */
-#define TILE 32    /* keys per tile: their value rows (32 KB at d = 256) fit in L1 */
+/* Tiled single pass for g = G query heads per KV head (G = 1..8; d a multiple of 8 * NV): each thread takes
+ * a contiguous range of keys in tiles of TILE; per tile, the scores of its keys (two keys at a time: 2G
+ * independent FMA chains; the tile's value rows are prefetched meanwhile), stored head-major (s[r * TILE +
+ * j]: each head's TILE scores contiguous, so the exps and sums run 8 keys at a time for any G), their exps
+ * against the running max (online softmax: the running sums are rescaled when the max grows), then the
+ * weighted sum of the tile's value rows into the thread's (G, d) sums, slices of 8 * NV dims held in
+ * registers over the tile. The threads' partial results are merged by their log-sum-exp (flash-decoding,
+ * Dao et al. 2023). Reading K and V cold from memory (decode: every weight of a step passes through the
+ * caches between two visits of a layer's KV) is most of the time, and the hardware prefetcher alone fetched
+ * them at ~8 GB/s: the score loop asks for the key rows K_AHEAD ahead and for the tile's value rows.
+ * Measured (g = 4, d = 256, one thread, K/V cold, C harness): L = 512 ~90 us and L = 1416 ~240 us per call,
+ * against ~140 / ~320 for two parallel loops with a serial softmax. */
+#define TILE 32    /* keys per tile: their value rows (32 KB at d = 256) fit in L1; a multiple of 8 */
 #define K_AHEAD 32 /* key rows ahead that the score loop asks into L1 (a prefetch past the end never faults) */
 #define ATTEND_G(G, NV)                                                                                         \
     static void attend_##G(const float *qh, const float *kh, const float *vh, int64_t L, int64_t d,            \
@@ -104,7 +105,7 @@ static void softmax_columns(float *s, int64_t L, int64_t g, float *inv) {
             float *acc = part + (int64_t)t * (G * d + 2 * G), *mx = acc + G * d, *sum = mx + G;                 \
             for (int64_t i = 0; i < G * d; i++) acc[i] = 0.0f;                                                  \
             for (int r = 0; r < G; r++) mx[r] = -INFINITY, sum[r] = 0.0f;                                       \
-            float s[TILE * G] __attribute__((aligned(32)));                                                     \
+            float s[G * TILE] __attribute__((aligned(32)));                                                     \
             for (int64_t a = j0; a < j1; a += TILE) {                                                           \
                 const int64_t nk = j1 - a < TILE ? j1 - a : TILE;                                               \
                 for (int64_t p = 0; p < nk; p += 2) {                                                           \
@@ -122,38 +123,34 @@ static void softmax_columns(float *s, int64_t L, int64_t g, float *inv) {
                         }                                                                                       \
                     }                                                                                           \
                     for (int r = 0; r < G; r++) {                                                               \
-                        s[p * G + r] = mask && !mask[a + p] ? -INFINITY : hsum256(a0[r]) * scale;               \
+                        s[r * TILE + p] = mask && !mask[a + p] ? -INFINITY : hsum256(a0[r]) * scale;            \
                         if (p + 1 < nk)                                                                         \
-                            s[(p + 1) * G + r] = mask && !mask[a + p + 1] ? -INFINITY : hsum256(a1[r]) * scale; \
+                            s[r * TILE + p + 1] = mask && !mask[a + p + 1] ? -INFINITY : hsum256(a1[r]) * scale; \
                     }                                                                                           \
                 }                                                                                               \
-                for (int64_t i = nk * G; i < TILE * G; i++) s[i] = -INFINITY;                                   \
+                for (int r = 0; r < G; r++)                                                                     \
+                    for (int64_t j = nk; j < TILE; j++) s[r * TILE + j] = -INFINITY;                            \
                 /* online softmax: the new running max per head; the old sums rescaled by exp(old - new) */     \
-                float alpha[G], m8[8];                                                                          \
+                float alpha[G];                                                                                 \
                 int any = 0, grow = 0;                                                                          \
                 for (int r = 0; r < G; r++) {                                                                   \
                     float m = mx[r];                                                                            \
-                    for (int64_t j = 0; j < nk; j++) m = s[j * G + r] > m ? s[j * G + r] : m;                   \
+                    for (int64_t j = 0; j < nk; j++) m = s[r * TILE + j] > m ? s[r * TILE + j] : m;             \
                     alpha[r] = m == mx[r] ? 1.0f : (mx[r] == -INFINITY ? 0.0f : expf(mx[r] - m));               \
                     grow |= m != mx[r];                                                                         \
                     any |= m != -INFINITY;                                                                      \
                     mx[r] = m;                                                                                  \
                 }                                                                                               \
                 if (!any) continue; /* every key so far masked */                                               \
-                for (int i = 0; i < 8; i++) m8[i] = mx[i % G] == -INFINITY ? 0.0f : mx[i % G];                  \
-                const __m256 mv = _mm256_loadu_ps(m8);                                                          \
-                __m256 tot = _mm256_setzero_ps();                                                               \
-                for (int64_t i = 0; i < TILE * G; i += 8) {                                                     \
-                    const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + i), mv));                          \
-                    _mm256_store_ps(s + i, e);                                                                  \
-                    tot = _mm256_add_ps(tot, e);                                                                \
-                }                                                                                               \
-                float lanes[8];                                                                                 \
-                _mm256_storeu_ps(lanes, tot);                                                                   \
                 for (int r = 0; r < G; r++) {                                                                   \
-                    float ts = 0.0f;                                                                            \
-                    for (int i = r; i < 8; i += G) ts += lanes[i];                                              \
-                    sum[r] = sum[r] * alpha[r] + ts;                                                            \
+                    const __m256 mv = _mm256_set1_ps(mx[r] == -INFINITY ? 0.0f : mx[r]);                        \
+                    __m256 tot = _mm256_setzero_ps();                                                           \
+                    for (int64_t i = r * TILE; i < (r + 1) * TILE; i += 8) {                                    \
+                        const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s + i), mv));                      \
+                        _mm256_store_ps(s + i, e);                                                              \
+                        tot = _mm256_add_ps(tot, e);                                                            \
+                    }                                                                                           \
+                    sum[r] = sum[r] * alpha[r] + hsum256(tot);                                                  \
                 }                                                                                               \
                 for (int64_t c = 0; c < d; c += 8 * NV) {                                                       \
                     __m256 o[G][NV];                                                                            \
@@ -170,7 +167,7 @@ static void softmax_columns(float *s, int64_t L, int64_t g, float *inv) {
                         __m256 v8[NV];                                                                          \
                         for (int u = 0; u < NV; u++) v8[u] = _mm256_loadu_ps(vc + j * d + 8 * u);               \
                         for (int r = 0; r < G; r++) {                                                           \
-                            const __m256 w = _mm256_set1_ps(s[j * G + r]);                                      \
+                            const __m256 w = _mm256_set1_ps(s[r * TILE + j]);                                   \
                             for (int u = 0; u < NV; u++) o[r][u] = _mm256_fmadd_ps(w, v8[u], o[r][u]);          \
                         }                                                                                       \
                     }                                                                                           \
@@ -181,10 +178,16 @@ static void softmax_columns(float *s, int64_t L, int64_t g, float *inv) {
         }                                                                                                       \
     }
 
+/* NV: value slices of 8 dims held per head over a tile (G * NV accumulators in registers) */
 ATTEND_G(1, 4)
 ATTEND_G(2, 4)
+ATTEND_G(3, 4)
 ATTEND_G(4, 4)
+ATTEND_G(5, 2)
+ATTEND_G(6, 2)
+ATTEND_G(7, 2)
 ATTEND_G(8, 2)
+#define TILED_NV(g) ((g) <= 4 ? 4 : 2)
 
 /* out (g, d) = the merge of nt partial results (acc (g, d), max (g,), sum (g,) each, as attend_G leaves
  * them) by their log-sum-exp; a head with no allowed key anywhere gets zeros */
@@ -259,8 +262,8 @@ int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_
                           int64_t d, int64_t hs, const uint8_t *mask, float scale, float *out, int threads) {
     if (KV <= 0 || H % KV || H / KV > MAX_GROUP || d % 8) return 1;
     const int64_t g = H / KV;
-    /* the tiled pass takes d in slices of 32 dims (16 for g = 8); at most one thread per TILE keys */
-    if ((g == 1 || g == 2 || g == 4 || g == 8) && d % (g == 8 ? 16 : 32) == 0) {
+    /* the tiled pass (g <= 8) takes d in slices of 8 * TILED_NV(g) dims; at most one thread per TILE keys */
+    if (g <= 8 && d % (8 * TILED_NV(g)) == 0) {
         const int64_t ntile = (L + TILE - 1) / TILE;
         int nt = threads < 1 ? 1 : threads > 64 ? 64 : threads;
         if (nt > ntile) nt = ntile > 0 ? (int)ntile : 1;
@@ -271,7 +274,11 @@ int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_
             switch (g) {
             case 1: attend_1(qh, kh, vh, L, d, mask, scale, part, nt); break;
             case 2: attend_2(qh, kh, vh, L, d, mask, scale, part, nt); break;
+            case 3: attend_3(qh, kh, vh, L, d, mask, scale, part, nt); break;
             case 4: attend_4(qh, kh, vh, L, d, mask, scale, part, nt); break;
+            case 5: attend_5(qh, kh, vh, L, d, mask, scale, part, nt); break;
+            case 6: attend_6(qh, kh, vh, L, d, mask, scale, part, nt); break;
+            case 7: attend_7(qh, kh, vh, L, d, mask, scale, part, nt); break;
             default: attend_8(qh, kh, vh, L, d, mask, scale, part, nt); break;
             }
             merge_parts(part, nt, g, d, out + kvh * g * d);

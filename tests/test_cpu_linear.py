@@ -182,11 +182,13 @@ def test_failed_build_and_damaged_library(monkeypatch, tmp_path):
 @pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
 @pytest.mark.parametrize("heads,kv_heads,L,d", [(4, 1, 512, 256), (4, 1, 1416, 256), (8, 2, 7, 64), (2, 2, 1, 64),
                                                 (16, 1, 300, 256), (6, 3, 65, 64), (8, 1, 100, 256), (4, 1, 70, 40),
-                                                (1, 1, 33, 32)])
+                                                (1, 1, 33, 32), (12, 2, 1416, 128), (14, 2, 300, 64),
+                                                (9, 3, 70, 64), (5, 1, 40, 16), (3, 1, 97, 32)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_attention_matches_the_reference(heads, kv_heads, L, d, threads):
-    # g = heads / kv_heads of 1, 2, 4, 8 with d a multiple of 32 take the tiled pass (tiles of 32 keys, split
-    # between threads, merged by log-sum-exp); the others (g = 16, d = 40) the generic loops
+    # g = heads / kv_heads of 1..8 with d a multiple of 32 (g <= 4) or 16 (g > 4) take the tiled pass (tiles
+    # of 32 keys, split between threads, merged by log-sum-exp; Qwen2.5 1.5B's g = 6, 0.5B's g = 7,
+    # SmolLM2's g = 3); the others (g = 16, d = 40) the generic loops
     from ldqa.kernels import dispatch, reference
 
     g = torch.Generator().manual_seed(L + heads)
