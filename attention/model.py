@@ -200,10 +200,18 @@ class Attention(nn.Module):
                                       plan=masks["window_plan"])
         if kind not in masks:
             window = self.cfg.sliding_window if kind == "sliding" else None
-            m = attention_mask(positions, k_pos, window)
-            masks[kind] = None if bool(m.all()) else m
+            if (window is None and q.shape[2] > 16 and q.shape[2] == k.shape[2] and torch.equal(positions, k_pos)
+                    and _ascending(positions)):
+                # queries are the keys, ascending: the mask is the lower triangle, which SDPA's causal form
+                # computes without reading a mask and skipping the tiles above the diagonal (same result)
+                masks[kind] = "causal"
+            else:
+                m = attention_mask(positions, k_pos, window)
+                masks[kind] = None if bool(m.all()) else m
         if k.dtype != q.dtype:  # a bf16 cache that reached here uncast
             k, v = k.to(q.dtype), v.to(q.dtype)
+        if isinstance(masks[kind], str):
+            return dispatch.attention(q, k, v, scale=self.cfg.attn_scale, causal=True)  # (b, h, n, d)
         return dispatch.attention(q, k, v, mask=masks[kind], scale=self.cfg.attn_scale)  # (b, h, n, d)
 
 

@@ -58,6 +58,7 @@ def attention(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     scale: float | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Exact softmax attention with GQA.
 
@@ -65,6 +66,8 @@ def attention(
     q_heads % kv_heads == 0 (query head h reads KV head h // (q_heads // kv_heads));
     mask: bool, broadcastable to (batch, q_heads, q_len, k_len), True = may attend; None = attend to all.
     scale: multiplies q.k (default head_dim ** -0.5).
+    causal: query i sees keys 0..i (q_len == k_len, no `mask`): the lower-triangle mask without building
+    it; the kernels skip the tiles above the diagonal. Raises ValueError for q_len != k_len or a mask.
     Returns (batch, q_heads, q_len, head_dim) in q's dtype. A query row with no allowed key returns zeros.
 
     With the Triton backend and no mask this runs the FlashAttention kernel (non-causal); a dense mask
@@ -72,12 +75,15 @@ def attention(
     One query token of one sequence in fp32 on the CPU (decode) runs ldqa's C kernel
     (`cpu_linear.decode_attention`) unless LDQA_KERNELS=torch or LDQA_CPU_KERNELS=torch.
     """
+    if causal and (mask is not None or q.shape[2] != k.shape[2]):
+        raise ValueError(f"causal attention takes as many queries as keys and no mask: q_len {q.shape[2]}, "
+                         f"k_len {k.shape[2]}, mask {'given' if mask is not None else 'None'}")
     if mask is None and backend_for(q) == "triton":
-        return prefill_attention(q, k, v, scale=scale, causal=False)[0]
+        return prefill_attention(q, k, v, scale=scale, causal=causal)[0]
     # one decode token on the CPU: ldqa's C kernel (reads each K/V row once for the whole GQA group)
     if q.shape[2] == 1 and _forced() != "torch" and cpu_linear.decode_attention_fits(q, k, v, mask):
         return cpu_linear.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
-    return reference.attention(q, k, v, mask=mask, scale=scale)
+    return reference.attention(q, k, v, mask=mask, scale=scale, causal=causal)
 
 
 def prefill_attention(

@@ -15,8 +15,9 @@ def attention(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     scale: float | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """Exact attention; see `dispatch.attention`.
+    """Exact attention; see `dispatch.attention` (`causal`: q_len == k_len, no mask).
 
     Few query rows (decode): GQA as one grouped matmul, (b, kv, group * q_len, d) @ (b, kv, d, L), no
     copy of K/V per query head. Many rows (prefill): torch's SDPA with `enable_gqa`.
@@ -26,6 +27,14 @@ def attention(
     if q_heads % kv_heads:
         raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
     scale = d**-0.5 if scale is None else scale
+    if causal:
+        if mask is not None or n != k.shape[2]:
+            raise ValueError(f"causal attention takes as many queries as keys and no mask (q_len {n}, "
+                             f"k_len {k.shape[2]})")
+        if n > 16:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                                  enable_gqa=kv_heads != q_heads)
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     if n <= 16:
         g = q_heads // kv_heads
         qg = q.reshape(b, kv_heads, g * n, d)  # (b, kvh, g*n, d): head h -> kv head h // g

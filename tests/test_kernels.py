@@ -604,6 +604,22 @@ def test_dispatch_attention_keeps_its_semantics(monkeypatch, backend):
     assert torch.all(out[:, :, 2] == 0)
 
 
+@pytest.mark.parametrize("n", [5, 40, 300])
+def test_dispatch_causal_attention_equals_the_triangle_mask(n):
+    """`attention(..., causal=True)` (the model's full prefill from an empty cache) gives what the
+    lower-triangle mask gives, on both sides of the 16-row split; bad combinations are refused."""
+    q, k, v = rand_qkv(1, 12, 2, n, n, 64)
+    tri = torch.ones(n, n, dtype=torch.bool).tril()
+    want = dispatch.attention(q, k, v, mask=tri, scale=0.3)
+    got = dispatch.attention(q, k, v, scale=0.3, causal=True)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.double(), softmax_attention(q, k, v, tri, scale=0.3)[0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        dispatch.attention(q[:, :, 1:], k, v, causal=True)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        dispatch.attention(q, k, v, mask=tri, causal=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs a CUDA GPU and compiled (not interpreted) Triton kernels")
