@@ -2,10 +2,12 @@
 
     python -m ldqa.eval.compare_weights [--mode full] [--ref-mode M] out/eval-weights-fp32 out/eval-weights-int8 [...]
 
-The first directory is the reference; rows of the eval mode `full` are compared (`--mode M` first to
+The first directory is the reference; rows of the eval mode `full` are compared (`ldqa eval jsonl` with a
+retriever writes `full@hybrid` and the like) (`--mode M` first to
 pick another; `--ref-mode M` takes the reference's rows from another mode, e.g. a run's `block` rows
 against its own `full` rows: `--mode block --ref-mode full DIR DIR`). For each other run: the examples both runs answered (same
-`example_id`), the mean score of each, the paired difference (points) with its standard error, how many
+`example_id`), the mean score of each (the benchmark's metric: best-subspan EM for nq-multidoc, LongBench's
+F1 for jsonl), the paired difference (points) with its standard error, how many
 predictions are word for word the reference's, the median TTFT and decode tokens/s of each, the token F1
 of each (SQuAD's, which punishes padding that best-subspan EM rewards) with its paired difference, the
 mean words per answer, and how many answers stopped at the token cap (rows with a `stop_reason`).
@@ -46,7 +48,10 @@ def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | 
     from ldqa.eval.metrics import token_f1
 
     d = [float(b[i]["score"]) - float(a[i]["score"]) for i in ids]
-    med = lambda rows, k: statistics.median(float(rows[i][k]) for i in ids)  # noqa: E731
+    def med(rows, k):  # median over the rows that have a value (an abstained jsonl row has no TTFT)
+        vals = [float(rows[i][k]) for i in ids if rows[i].get(k) not in (None, "")]
+        return statistics.median(vals) if vals else float("nan")
+
     has_answers = all("answers" in r[i] for r in (a, b) for i in ids)
     f1 = {n: [token_f1(r[i]["prediction"], r[i]["answers"].split(" | ")) if has_answers else 0.0 for i in ids]
           for n, r in (("a", a), ("b", b))}
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
         return 2
     ref = Path(argv[0])
     print(f"reference: {ref} ({ref_mode or mode} rows), compared: {mode} rows")
-    print("| run | n | reference EM | EM | paired diff (points) | SE | identical | TTFT ms ref -> run | "
+    print("| run | n | reference score | score | paired diff (points) | SE | identical | TTFT ms ref -> run | "
           "tok/s ref -> run | F1 ref -> run | F1 diff (SE) | words ref -> run | at cap ref -> run |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for o in argv[1:]:

@@ -76,6 +76,9 @@ def test_compare_weights_reports_f1_words_and_answers_at_the_cap(tmp_path):
     assert c["f1"] == 1.0 and 0 < c["ref_f1"] < 0.5 and c["f1_diff_points"] > 50  # padding costs F1, not EM
     assert (c["ref_words"], c["words"]) == (5.5, 1.5) and (c["ref_at_cap"], c["at_cap"]) == (1, 0)
     assert main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]) == 0
+    # a row without a TTFT (an abstained jsonl answer) is left out of the median, not an error
+    (tmp_path / "c.csv").write_text(head + "full,q1,18 Nm,18 Nm,1,,,eos\nfull,q2,E-14 | E14,E-14,1,7,9,eos\n")
+    assert compare(tmp_path / "a.csv", tmp_path / "c.csv")["ttft_ms"] == 7.0
 
 
 def test_kv_read_bytes_counts_a_sliding_layer_s_window_only():
