@@ -302,6 +302,7 @@ def _source(name: str) -> _Source:
         p = resolve_gguf(name)
     if p.suffix == ".gguf" and p.is_file():
         check_gguf_architecture(p, name)
+        check_gguf_complete(p, name)
         sha = PARTED[name].sha256 if name in PARTED else file_sha256(p)  # a parted model's was checked on assembly
         meta = _ensure_gguf_meta(p, sha)
         return _Source(p, meta, sha, ModelConfig.from_hf(json.loads((meta / "config.json").read_text())), "gguf")
@@ -316,6 +317,71 @@ def _source(name: str) -> _Source:
 _GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType sizes
 
 
+class _GGUFHeader:
+    """Reads a GGUF file's header (magic, version, metadata, tensor list) value by value, without the gguf
+    package's full parse. `bad(why)` is the ModelLoadError naming the file."""
+
+    def __init__(self, f, path: Path):
+        import struct
+
+        self.f, self.path, self._struct = f, path, struct
+        from gguf import GGUF_MAGIC
+
+        head = f.read(24)
+        if len(head) < 24 or struct.unpack("<I", head[:4])[0] != GGUF_MAGIC:
+            raise self.bad("is not a GGUF file (it does not start with the GGUF magic bytes)")
+        self.order = "<" if struct.unpack("<I", head[4:8])[0] & 0xFFFF else ">"  # a big-endian file reads as 0
+        version, self.n_tensors, self.n_kv = struct.unpack(self.order + "IQQ", head[4:24])
+        if version not in (2, 3):
+            raise self.bad(f"is GGUF version {version}; ldqa reads versions 2 and 3")
+
+    def bad(self, why: str) -> ModelLoadError:
+        return ModelLoadError(f"model file {self.path} {why}: use a complete .gguf file (download it again if it "
+                              "was cut short) or a Hugging Face model directory")
+
+    def read(self, fmt: str, where: str = "metadata"):
+        size = self._struct.calcsize(self.order + fmt)
+        b = self.f.read(size)
+        if len(b) < size:
+            raise self.bad(f"is truncated inside its {where}")
+        return self._struct.unpack(self.order + fmt, b)[0]
+
+    def string(self, where: str = "metadata") -> bytes:
+        n = self.read("Q", where)
+        b = self.f.read(n)
+        if len(b) < n:
+            raise self.bad(f"is truncated inside its {where}")
+        return b
+
+    def value(self, vtype: int):
+        """A metadata value of type `vtype`: scalars and strings are returned, arrays skipped (None)."""
+        from gguf import GGUFValueType
+
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            etype, count = self.read("I"), self.read("Q")
+            if etype in _GGUF_SCALAR_BYTES:
+                self.f.seek(_GGUF_SCALAR_BYTES[etype] * count, os.SEEK_CUR)
+            elif etype == GGUFValueType.STRING:  # a vocabulary: skipped, not read (262K strings for Gemma 3)
+                length, seek = self._struct.Struct(self.order + "Q"), self.f.seek
+                for _ in range(count):
+                    b = self.f.read(8)
+                    if len(b) < 8:
+                        raise self.bad("is truncated inside its metadata")
+                    seek(length.unpack(b)[0], os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    self.value(etype)
+            return None
+        if vtype in _GGUF_SCALAR_FORMATS:
+            return self.read(_GGUF_SCALAR_FORMATS[vtype])
+        raise self.bad(f"has a metadata value of unknown type {vtype}")
+
+
+_GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
 def gguf_architecture(path: str | Path) -> str:
     """`general.architecture` of a GGUF file, read from its header only (milliseconds: gguf's GGUFReader
     parses every metadata array first, 25 s for Gemma 3's 262K-token vocabulary on a small CPU).
@@ -323,65 +389,79 @@ def gguf_architecture(path: str | Path) -> str:
     Raises ModelLoadError naming the file when it cannot be read, is not a GGUF file (magic bytes), has a
     GGUF version other than 2 or 3, is truncated inside its header, or has no `general.architecture`.
     """
-    import struct
-
-    from gguf import GGUF_MAGIC, GGUFValueType
+    from gguf import GGUFValueType
 
     path = Path(path)
-
-    def bad(why: str) -> ModelLoadError:
-        return ModelLoadError(f"model file {path} {why}: use a complete .gguf file (download it again if it "
-                              "was cut short) or a Hugging Face model directory")
-
     try:
         with open(path, "rb") as f:
-            head = f.read(24)
-            if len(head) < 24 or struct.unpack("<I", head[:4])[0] != GGUF_MAGIC:
-                raise bad("is not a GGUF file (it does not start with the GGUF magic bytes)")
-            order = "<" if struct.unpack("<I", head[4:8])[0] & 0xFFFF else ">"  # a big-endian file reads as 0
-            version, _, n_kv = struct.unpack(order + "IQQ", head[4:24])
-            if version not in (2, 3):
-                raise bad(f"is GGUF version {version}; ldqa reads versions 2 and 3")
-
-            def read(fmt: str):
-                size = struct.calcsize(order + fmt)
-                b = f.read(size)
-                if len(b) < size:
-                    raise bad("is truncated inside its metadata")
-                return struct.unpack(order + fmt, b)[0]
-
-            def string() -> bytes:
-                n = read("Q")
-                b = f.read(n)
-                if len(b) < n:
-                    raise bad("is truncated inside its metadata")
-                return b
-
-            def skip(vtype: int) -> None:
-                if vtype == GGUFValueType.STRING:
-                    f.seek(read("Q"), os.SEEK_CUR)
-                elif vtype == GGUFValueType.ARRAY:
-                    etype, count = read("I"), read("Q")
-                    if etype in _GGUF_SCALAR_BYTES:
-                        f.seek(_GGUF_SCALAR_BYTES[etype] * count, os.SEEK_CUR)
-                    else:
-                        for _ in range(count):
-                            skip(etype)
-                elif vtype in _GGUF_SCALAR_BYTES:
-                    f.seek(_GGUF_SCALAR_BYTES[vtype], os.SEEK_CUR)
-                else:
-                    raise bad(f"has a metadata value of unknown type {vtype}")
-
-            for _ in range(n_kv):  # general.architecture is the first key in files written by llama.cpp
-                key, vtype = string(), read("I")
+            h = _GGUFHeader(f, path)
+            for _ in range(h.n_kv):  # general.architecture is the first key in files written by llama.cpp
+                key, vtype = h.string(), h.read("I")
                 if key == b"general.architecture":
                     if vtype != GGUFValueType.STRING:
-                        raise bad("has a general.architecture that is not a string")
-                    return string().decode("utf-8", errors="replace")
-                skip(vtype)
+                        raise h.bad("has a general.architecture that is not a string")
+                    return h.string().decode("utf-8", errors="replace")
+                h.value(vtype)
     except OSError as e:
         raise ModelLoadError(f"model file {path} cannot be read ({e}): check the path and its permissions") from e
-    raise bad("has no general.architecture in its metadata")
+    raise h.bad("has no general.architecture in its metadata")
+
+
+def gguf_expected_size(path: str | Path) -> int | None:
+    """The bytes a complete GGUF file `path` holds: where its tensor data ends (the aligned start of the
+    data section plus the furthest tensor's offset and size, from the header's tensor list). None when a
+    tensor's type is unknown to the gguf package (its size cannot be computed).
+
+    Raises ModelLoadError naming the file when it cannot be read, is not GGUF, or its header (metadata or
+    tensor list) is cut short.
+    """
+    from gguf import GGML_QUANT_SIZES
+
+    path = Path(path)
+    sizes = {int(t): v for t, v in GGML_QUANT_SIZES.items()}  # ggml type: (elements per block, bytes per block)
+    try:
+        with open(path, "rb") as f:
+            h = _GGUFHeader(f, path)
+            alignment = 32  # GGUF's default when general.alignment is absent
+            for _ in range(h.n_kv):
+                key, vtype = h.string(), h.read("I")
+                value = h.value(vtype)
+                if key == b"general.alignment" and isinstance(value, int) and value > 0:
+                    alignment = value
+            end = 0
+            for _ in range(h.n_tensors):
+                h.string("tensor list")
+                n_dims = h.read("I", "tensor list")
+                n = 1
+                for _ in range(n_dims):
+                    n *= h.read("Q", "tensor list")
+                ttype, offset = h.read("I", "tensor list"), h.read("Q", "tensor list")
+                if ttype not in sizes:
+                    return None
+                block, type_size = sizes[ttype]
+                end = max(end, offset + n // block * type_size)
+            start = -(-f.tell() // alignment) * alignment
+    except OSError as e:
+        raise ModelLoadError(f"model file {path} cannot be read ({e}): check the path and its permissions") from e
+    return start + end
+
+
+def check_gguf_complete(path: str | Path, name: str | None = None) -> None:
+    """Refuse a GGUF file shorter than its header says (a download or an assembly cut off partway).
+
+    Raises ModelLoadError naming the model (`name`, else the path), the bytes its tensor data needs and
+    the bytes the file has, and saying to download (or re-assemble) it again; also as
+    `gguf_expected_size` for an unreadable header.
+    """
+    path = Path(path)
+    expected = gguf_expected_size(path)
+    present = path.stat().st_size
+    if expected is not None and present < expected:
+        label = f"model {name!r} ({path})" if name and name != str(path) else f"model file {path}"
+        raise ModelLoadError(
+            f"{label} is truncated: its header describes {expected:,} bytes of header and tensor data, the file "
+            f"has {present:,} bytes ({expected - present:,} missing); download it again, or re-assemble it "
+            "from all its parts, and check its size")
 
 
 def check_gguf_architecture(path: str | Path, name: str | None = None) -> str:
@@ -729,6 +809,7 @@ def check_model_name(name: str) -> None:
             raise ModelLoadError(str(e)) from e
     elif p.suffix == ".gguf" and p.is_file():
         check_gguf_architecture(p, name)
+        check_gguf_complete(p, name)
     elif p.is_dir() and (p / "config.json").exists():
         _hf_dir_config(p, name)
     else:

@@ -127,6 +127,29 @@ def test_longdocqa_refuses_a_bad_model_at_construction(tmp_path):
         LongDocQA(store=store, model=str(garbage))
 
 
+@pytest.mark.parametrize("missing", [1, 100, 128])  # bytes cut from the end: the 4x8 fp32 tensor is 128
+def test_a_gguf_cut_off_in_its_tensor_data_is_refused_with_the_sizes(tmp_path, monkeypatch, missing):
+    whole = write_gguf(tmp_path / "whole.gguf", "llama", arch_last=True)
+    data = whole.read_bytes()
+    expected = loader.gguf_expected_size(whole)
+    assert expected is not None and expected <= len(data)  # the writer may pad after the last tensor
+    check_model_name(str(whole))  # the complete file passes: the test can tell the two apart
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:expected - missing])
+    assert gguf_architecture(cut) == "llama"  # the header is intact
+
+    monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "file_sha256", lambda *a, **k: pytest.fail("a truncated file must not be hashed"))
+    for refuse in (check_model_name, load_model, loader.load_tokenizer,
+                   lambda name: LongDocQA(store=tmp_path / "store", model=name)):
+        with pytest.raises(ModelLoadError) as e:
+            refuse(str(cut))
+        msg = str(e.value)
+        assert str(cut) in msg and "truncated" in msg and "download it again" in msg
+        assert f"{expected:,} bytes" in msg and f"has {expected - missing:,} bytes" in msg
+        assert f"{missing:,} missing" in msg
+
+
 def test_hf_directories_are_checked_from_config_json(tmp_path, tiny_model_dir):
     phi = tmp_path / "phi"
     phi.mkdir()
