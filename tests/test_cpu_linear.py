@@ -231,3 +231,15 @@ def test_decode_attention_env_forces_the_reference(monkeypatch):
     q, k, v = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 9, 32), torch.randn(1, 2, 9, 32)
     monkeypatch.setenv("LDQA_KERNELS", "torch")
     assert torch.equal(dispatch.attention(q, k, v), reference.attention(q, k, v))
+
+
+@pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
+def test_bench_decode_attention_times_every_packaged_shape(tmp_path):
+    import json
+
+    from ldqa.eval import bench_decode_attention as bench
+
+    assert bench.main(["--lengths", "40", "--threads", "1", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench-decode-attention.json").read_text())
+    assert [r["model"] for r in rows] == [s[0] for s in bench.SHAPES]
+    assert all(r["keys"] == 40 and r["us_per_call"] > 0 for r in rows)
