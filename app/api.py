@@ -347,6 +347,18 @@ class LongDocQA:
         return load_tokenizer(self.model_name)
 
     @property
+    def context_length(self) -> int:
+        """The model's context window in tokens (its config's `max_position_embeddings`), which the prompt
+        and the answer budget share; read from the config.json beside its tokenizer, no weights loaded.
+        Raises as `tokenizer` (ModelLoadError) when the model cannot be found."""
+        import json
+
+        from ldqa.attention.config import ModelConfig
+
+        config = Path(self.tokenizer.hf.name_or_path) / "config.json"
+        return int(ModelConfig.from_hf(json.loads(config.read_text())).max_position_embeddings)
+
+    @property
     def llm(self):
         """The loaded model (`loader.LoadedModel`), loaded on first use. Raises as `loader.load_model`, and
         WeightFormatError when its tensors were cast to float16 since (`generate.check_model_dtype`)."""

@@ -79,6 +79,16 @@ class Server:
             self._models[model] = self.qa.with_model(model)
         return self._models[model]
 
+    def answer_cap(self, model: str, value) -> gr.Slider:
+        """The "Max new tokens" control for `model`: 1 to its context window (tokens), never below the
+        current `value`, so the control never refuses a question (an answer budget the prompt cannot fit
+        beside gets the API's "lower max_new_tokens" error in the chat instead)."""
+        try:
+            window = self.qa_for(model).context_length
+        except Exception:  # a model that cannot load: the question says why, the control stays as it is
+            return gr.skip()
+        return answer_cap_slider(window, int(value or self.cfg.max_new_tokens))
+
     # ------------------------------------------------------------------ documents
     def status(self) -> str:
         docs = self.qa.documents()
@@ -431,7 +441,7 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                             attention = gr.Dropdown(list(ATTENTION_MODES), value=DEFAULT_ATTENTION, label="Attention mode")
                             debias = gr.Dropdown([DEFAULT_CHOICE, *DEBIAS_METHODS], value=DEFAULT_CHOICE,
                                                  label="Position debiasing")
-                            max_new = gr.Slider(8, 256, value=cfg.max_new_tokens, step=8, label="Max new tokens")
+                            max_new = answer_cap_slider(qa.context_length, cfg.max_new_tokens)
                         passages = gr.Dataframe(headers=PASSAGE_HEADERS, label="Retrieved passages (click a row to read it)",
                                                 interactive=False, elem_id="ldqa-passages", max_height=360,
                                                 column_widths=["7%", "31%", "16%", "15%", "13%", "18%"])
@@ -474,6 +484,7 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
         settings = [model, top_k, retriever, attention, debias, max_new]
         ask_io = dict(fn=srv.ask, inputs=[question, chatbot, *settings], outputs=[chatbot, question, passages, viewer, records])
         ask_btn.click(**ask_io, api_name="ask")
+        model.change(srv.answer_cap, inputs=[model, max_new], outputs=max_new, api_name=False)
         question.submit(**ask_io, api_name=False)
         passages.select(show_passage, inputs=records, outputs=viewer, api_name=False)
         files.upload(srv.ingest, inputs=files, outputs=[results, *listing, files], api_name="ingest")
@@ -483,6 +494,14 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                        outputs=[eval_table, heatmap, ttft], api_name="eval", concurrency_limit=1)
         app.load(srv.refresh, outputs=listing, api_name="documents")
     return app
+
+
+def answer_cap_slider(window: int, value: int) -> gr.Slider:
+    """The "Max new tokens" slider: 1 to the model's context window `window` (tokens), showing `value`
+    (the saved or served answer cap); its maximum is raised to `value` when that is larger, so a saved cap
+    is shown as it is and never makes the web app refuse a question."""
+    return gr.Slider(1, max(window, value), value=value, step=1, label="Max new tokens",
+                     info=f"answer length cap; the model's window is {window:,} tokens", elem_id="ldqa-max-new")
 
 
 def _sample_questions() -> list[dict]:

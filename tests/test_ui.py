@@ -16,7 +16,8 @@ from gradio_client import Client, handle_file  # noqa: E402
 
 from ldqa.app.api import LongDocQA  # noqa: E402
 from ldqa.app.citations import Citation  # noqa: E402
-from ldqa.app.ui import UIConfig, build_app, launch, passage_html, passage_records, read_auth  # noqa: E402
+from ldqa.app.ui import (UIConfig, Server, build_app, launch, passage_html, passage_records,  # noqa: E402
+                         read_auth)
 
 SAMPLE = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
 SETTINGS = dict(model=None, top_k=3, retriever="hybrid", attention="full", debias="none", max_new=8)
@@ -138,6 +139,40 @@ def test_eval_tab_runs_a_small_niah(ui):
     table, heatmap, ttft = ui.client.predict(ui.model, "full", "none", ["256"], ["0", "100"], False, api_name="/eval")
     assert "| full | 2 |" in table  # one mode, two (length, depth) cells
     assert Path(heatmap).is_file() and Path(ttft).is_file()
+
+
+def _answer_cap(app):
+    import gradio as gr
+
+    return next(b for b in app.blocks.values() if isinstance(b, gr.Slider) and b.label == "Max new tokens")
+
+
+def test_a_saved_answer_cap_is_shown_and_taken_up_to_the_models_window(tmp_path, tiny_model_dir):
+    model = str(tiny_model_dir("gemma3"))  # a window of 4096 tokens (conftest)
+    qa = LongDocQA(store=tmp_path / "store", model=model)
+    qa.save_answer_settings(1024)
+    app = build_app(LongDocQA(store=tmp_path / "store", model=model))  # the saved cap, as `ldqa serve` starts
+    cap = _answer_cap(app)
+    assert cap.value == 1024 and cap.maximum == qa.context_length == 4096 and cap.minimum == 1
+    for value in (1, 1024, 4096):
+        assert cap.preprocess(value) == value  # taken as given, never refused
+    served = _answer_cap(build_app(qa, UIConfig(max_new_tokens=6000)))  # a cap over the window is still shown
+    assert served.value == 6000 and served.maximum == 6000 and served.preprocess(6000) == 6000
+    srv = Server(qa, UIConfig())
+    assert srv.answer_cap(model, 100).maximum == 4096  # another model's control: up to its window
+    assert srv.answer_cap(model, 5000).maximum == 5000  # never below the value it holds
+
+
+def test_a_saved_answer_cap_of_1024_never_refuses_a_question(tmp_path, tiny_model_dir):
+    model = str(tiny_model_dir("gemma3"))
+    LongDocQA(store=tmp_path / "store", model=model).save_answer_settings(1024)
+    app = build_app(LongDocQA(store=tmp_path / "store", model=model))
+    try:
+        client = Client(launch(app, UIConfig(), port=free_port(), block=False), verbose=False)
+        _, (chat, *_) = ask(client, "What is the maximum load?", model, max_new=1024)
+        assert "No documents yet" in text_of(chat[-1])  # the question reached the collection (it is empty)
+    finally:
+        app.close()
 
 
 def test_passage_view_highlights_the_cited_span():

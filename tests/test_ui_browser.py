@@ -1,6 +1,7 @@
 """The web app in a real browser: headless Chromium (Debian's chromium + chromedriver, installed by
 .ci/run) uploads the bundled sample, asks a question, sees the streamed answer and opens a citation;
-the page is saved as a screenshot (pytest's tmp dir and out/ui-screenshot.png). Real Gemma 3 270M."""
+the page is saved as a screenshot (pytest's tmp dir and out/ui-screenshot.png). Real Gemma 3 270M; the
+answer-length control under a saved cap of 1024 with a tiny random-weight model."""
 
 from __future__ import annotations
 
@@ -88,4 +89,35 @@ def test_upload_ask_and_open_a_citation(browser, tmp_path):
         browser.save_screenshot(str(shot))  # also on failure: the artifact shows what the page looked like
         (ROOT / "out").mkdir(exist_ok=True)
         shutil.copyfile(shot, ROOT / "out" / "ui-screenshot.png")
+        app.close()
+
+
+def test_a_saved_answer_cap_of_1024_is_shown_and_asks(browser, tmp_path, tiny_model_dir):
+    """`ldqa ask ... --max-new-tokens 1024 --save-settings`, then the web app: its answer-length control
+    shows 1024 (up to the model's window) and a question goes through (a tiny model, an empty collection)."""
+    store, model = tmp_path / "store", str(tiny_model_dir("gemma3"))
+    LongDocQA(store=store, model=model).save_answer_settings(1024)
+    qa = LongDocQA(store=store, model=model)
+    cfg = UIConfig(max_new_tokens=qa.max_new_tokens)  # as `ldqa serve` makes it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(qa, cfg)
+    try:
+        url = launch(app, cfg, port=port, block=False)
+        wait = WebDriverWait(browser, 300)
+        browser.get(url)
+        wait.until(EC.element_to_be_clickable((By.XPATH, "//button[@role='tab'][normalize-space()='Chat']"))).click()
+        browser.find_element(By.XPATH, "//button[.//*[normalize-space()='Settings'] or normalize-space()='Settings']"
+                             ).click()
+        cap = wait.until(EC.visibility_of_element_located((By.CSS_SELECTOR, "input[aria-label='number input for Max new tokens']")))
+        assert cap.get_attribute("value") == "1024" and cap.get_attribute("max") == str(qa.context_length)
+        box = wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "#ldqa-question textarea")))
+        box.send_keys("What is the maximum load?")
+        browser.find_element(By.ID, "ldqa-ask").click()
+        chat = browser.find_element(By.ID, "ldqa-chat")
+        wait.until(lambda d: "No documents yet" in chat.text)  # answered from the (empty) collection
+        assert "greater than maximum" not in browser.page_source
+    finally:
+        browser.save_screenshot(str(tmp_path / "ui-answer-cap.png"))
         app.close()
