@@ -441,9 +441,10 @@ class LongDocQA:
         ("Not found in the documents.") with the passages it looked at and no citation, and the LLM does
         not run (settings["abstained"], settings["best_dense_score"]); None or 0 turns it off. Default
         `ABSTAIN_BELOW` (0.25, measured; see there).
-        The prompt is counted in the model's tokens before anything is computed: when it and
-        max_new_tokens do not fit the model's window, the lowest-ranked passages are left out
-        (settings["passages_dropped"]).
+        The prompt is counted in the model's tokens before anything is computed: the question (with the
+        instruction and max_new_tokens) before retrieval, with the best passage before the abstain_below
+        check; when the whole prompt and max_new_tokens do not fit the model's window, the lowest-ranked
+        passages are left out (settings["passages_dropped"]).
         Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting,
         instruction/answer_prefix not strings), PromptTooLongError (a ValueError: the question with the
         instruction and max_new_tokens does not fit the model's window, or leaves no room for one
@@ -463,9 +464,12 @@ class LongDocQA:
                                           not isinstance(abstain_below, (int, float)) or not -1 <= abstain_below <= 1):
             raise ValueError(f"abstain_below must be a cosine similarity in [-1, 1] or None, got {abstain_below!r}")
         self.warm_up()  # model loading is not part of a question's timings
+        budget = max_new_tokens or self.max_new_tokens
+        self._check_budget(question, [], budget, instruction, answer_prefix)
         t0 = time.perf_counter()
         passages = self.retriever.search(question, top_k=top_k, mode=retriever)
         retrieval_ms = _ms(t0)
+        self._check_budget(question, passages[:1], budget, instruction, answer_prefix)  # before the relevance check
         base = {"top_k": top_k, "retriever": retriever}
         extra = _prompt_settings(instruction, answer_prefix)
         dense = [p.dense_score for p in passages if getattr(p, "dense_score", None) is not None]
@@ -579,6 +583,16 @@ class LongDocQA:
         stream = AnswerStream(iter([ABSTAIN_PHRASE]))
         stream.answer = Answer(question, ABSTAIN_PHRASE, [], passages, timings, settings)
         return stream
+
+    def _check_budget(self, question, passages, max_new, instruction, answer_prefix) -> None:
+        """Raise PromptTooLongError (a ValueError) when the question, with the instruction and `max_new`
+        answer tokens, does not fit the model's window beside `passages` ([] for the question alone; the
+        best passage after retrieval), so a question over the window is never answered "Not found"."""
+        from ldqa.app.prompt import fit_passages
+
+        llm = self.llm
+        fit_passages(llm.tokenizer, passages, question, int(llm.model.cfg.max_position_embeddings), max_new,
+                     instruction, answer_prefix, self.chat_format(instruction))
 
     def _fit_window(self, question, passages, max_new, settings) -> list:
         """The passages that fit the model's window with the question and `max_new` answer tokens (the

@@ -2,6 +2,7 @@
 
     ldqa ingest PATH... [--store DIR] [--chunk-tokens N] [--ray [ADDRESS] --workers N]
     ldqa ask "question" [--store DIR] [--top-k K] [--retriever hybrid|dense|bm25] [--model M] [--json]
+    ldqa ask - < question.txt   or   ldqa ask --question-file question.txt
     ldqa demo [--store DIR]     # ingest the bundled sample, answer its questions
     ldqa eval BENCHMARK --data PATH --modes full,block,hf [--limit N] [--seed S] [--out DIR]  # see ldqa.eval.harness
     ldqa serve [--store DIR] [--host 127.0.0.1] [--port 7860]   # the web app (see ldqa.app.ui)
@@ -65,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         _common(p, "collection directory (default: a temporary one, removed when the demo ends)" if name == "demo"
                 else None)
         if name == "ask":
-            p.add_argument("question")
+            p.add_argument("question", nargs="?", default=None,
+                           help='the question; "-" reads it from standard input (for one over a shell\'s '
+                                'argument limit, or use --question-file)')
+            p.add_argument("--question-file", default=None, metavar="FILE",
+                           help="read the question from this UTF-8 text file instead of the command line")
             p.add_argument("--instruction", default=None,
                            help="the prompt's instruction, replacing ldqa's default (a task's own wording)")
             p.add_argument("--answer-prefix", default="",
@@ -199,7 +204,28 @@ def cmd_ingest(args) -> int:
     return 1 if report.errors and not report.added and not report.skipped else 0
 
 
+def read_question(args, stdin=None) -> str:
+    """The question of `ldqa ask`: its argument, standard input (`stdin`, default sys.stdin) for "-", or
+    the text of --question-file (both read whole, surrounding whitespace stripped). Raises ValueError when
+    there is no question or two are given, or when the file cannot be read as UTF-8 text (naming it)."""
+    if args.question_file is not None:
+        if args.question is not None:
+            raise ValueError("give the question either as an argument or with --question-file, not both")
+        try:
+            return Path(args.question_file).expanduser().read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--question-file {args.question_file} cannot be read ({e}): give a UTF-8 text "
+                             "file holding the question") from e
+    if args.question is None:
+        raise ValueError('no question: give it as an argument (ldqa ask "What is ...?"), "-" to read it from '
+                         "standard input, or --question-file FILE")
+    if args.question == "-":
+        return (stdin or sys.stdin).read().strip()
+    return args.question
+
+
 def cmd_ask(args) -> int:
+    question = read_question(args)
     qa = _qa(args)
     if args.save_settings:
         if args.max_new_tokens is None:
@@ -212,9 +238,9 @@ def cmd_ask(args) -> int:
               debias_orders=args.debias_orders, debias_calibration=args.debias_calibration,
               debias_strength=args.debias_strength, **_abstain_kw(args), **_retrieval_kw(args))
     if args.json:
-        print(json.dumps(qa.ask(args.question, **kw).to_dict(), indent=1, default=str))
+        print(json.dumps(qa.ask(question, **kw).to_dict(), indent=1, default=str))
         return 0
-    stream = qa.stream(args.question, **kw)
+    stream = qa.stream(question, **kw)
     for piece in stream:
         print(piece, end="", flush=True)
     print()

@@ -265,3 +265,23 @@ def test_instruction_and_answer_prefix_shape_the_prompt(tiny_qa, tmp_path):
             tiny_qa.answer("What is a1?", ps, **bad)
     with pytest.raises(ValueError, match="answer_prefix"):
         tiny_qa.ask("What is a1?", answer_prefix=7)
+
+
+def test_the_prompt_budget_is_checked_before_the_relevance_check(tiny_qa, monkeypatch):
+    from ldqa.app.prompt import PromptTooLongError, build_prompt
+
+    tiny_qa.ingest([SAMPLE])
+    assert tiny_qa.ask("Why?", abstain_below=1.0).settings["abstained"]  # 1.0: every question that fits abstains
+    searched = []
+    search = tiny_qa.retriever.search
+    monkeypatch.setattr(tiny_qa.retriever, "search", lambda *a, **k: searched.append(a) or search(*a, **k))
+    over = "Which zebra crossed the savanna at noon? " * (tiny_qa.context_length // 4)
+    with pytest.raises(PromptTooLongError, match="the question .* over the model's context window of 4096 tokens"):
+        tiny_qa.ask(over, abstain_below=1.0)
+    assert searched == []  # refused before retrieval
+    # a question that fits alone but leaves no room for the best passage: refused, not "Not found"
+    alone = len(build_prompt(tiny_qa.llm.tokenizer, [], "Why?").ids())
+    monkeypatch.setattr(tiny_qa.llm.model.cfg, "max_position_embeddings", alone + 8 + 4)  # 8: the answer budget
+    with pytest.raises(PromptTooLongError, match="no room for a passage"):
+        tiny_qa.ask("Why?", abstain_below=1.0)
+    assert len(searched) == 1

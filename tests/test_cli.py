@@ -146,3 +146,36 @@ def test_ingest_precompute_default_follows_the_default_attention(monkeypatch):
         assert ap.parse_args(["ingest", "x", "--precompute-kv"]).precompute_kv is True
         assert ap.parse_args(["ingest", "x", "--no-precompute-kv"]).precompute_kv is False
         assert ap.parse_args(["ask", "q?"]).attention == mode
+
+
+def _ldqa_stdin(stdin: str, *args):
+    exe = shutil.which("ldqa", path=str(Path(sys.executable).parent)) or "ldqa"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([exe, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=900, env=env)
+
+
+def test_ask_reads_the_question_from_stdin_or_a_file_and_checks_its_length_first(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("gemma3")
+    store = tmp_path / "store"
+    assert _ldqa("ingest", SAMPLE / "maintenance_log.txt", "--store", store, "--model", model).returncode == 0
+    common = ["--store", store, "--model", model, "--retriever", "bm25", "--max-new-tokens", "2", "--json"]
+
+    question = "On what date was circulation fan No. 2 replaced?"
+    r = _ldqa_stdin(question + "\n", "ask", "-", *common)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["question"] == question
+
+    # over a shell's 128 KB argument limit and over the model's 4096-token window: refused as too long,
+    # before the relevance check could answer "Not found in the documents"
+    long_file = tmp_path / "question.txt"
+    long_file.write_text("Which zebra crossed the savanna at noon? " * 4000, encoding="utf-8")
+    assert long_file.stat().st_size > 128 * 1024
+    r = _ldqa("ask", "--question-file", long_file, *common[:-1], "--abstain-below", "1")
+    assert r.returncode == 2, r.stdout
+    assert "ldqa ask: error: the question" in r.stderr and "context window of 4096 tokens" in r.stderr
+    assert "shorten the question" in r.stderr and "Not found" not in r.stdout
+
+    r = _ldqa("ask", "--question-file", tmp_path / "missing.txt", *common)
+    assert r.returncode == 2 and "--question-file" in r.stderr and "missing.txt" in r.stderr
+    r = _ldqa("ask", *common)
+    assert r.returncode == 2 and "no question" in r.stderr and "--question-file" in r.stderr

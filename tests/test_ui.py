@@ -141,6 +141,19 @@ def test_eval_tab_runs_a_small_niah(ui):
     assert Path(heatmap).is_file() and Path(ttft).is_file()
 
 
+def test_a_question_over_the_window_gets_the_too_long_error_not_not_found(ui):
+    from ldqa.app.api import ABSTAIN_BELOW
+
+    ui.client.predict([handle_file(SAMPLE / "sl30_manual.md")], api_name="/ingest")
+    over = "Which zebra crossed the savanna at noon? " * 500  # over the tiny model's 4096-token window
+    # the relevance check alone would answer it "Not found": no passage is near its start
+    assert max(p.dense_score for p in ui.qa.retrieve(over, top_k=3, retriever="dense")) < ABSTAIN_BELOW
+    _, (chat, *_) = ask(ui.client, over, ui.model)
+    reply = text_of(chat[-1])
+    assert "Cannot answer" in reply and "context window of 4096 tokens" in reply and "shorten the question" in reply
+    assert "Not found" not in reply
+
+
 def _answer_cap(app):
     import gradio as gr
 
