@@ -166,7 +166,8 @@ class LongDocQA:
     ----------
     store : directory of the collection (created if missing); None = the default collection under the
         user's data dir.
-    model : "gemma3-270m" (default), "smollm2-135m", a .gguf file or a Hugging Face model directory.
+    model : "qwen2.5-coder-1.5b-instruct" (default), "qwen2.5-coder-0.5b-instruct", "gemma3-270m",
+        "smollm2-135m", a .gguf file or a Hugging Face model directory.
     chunk_tokens, overlap_tokens : chunk size and overlap, in the LLM tokenizer's tokens.
     index : "flat" (exact inner product, default) or "hnsw" (approximate, for large collections).
     max_new_tokens : answer length cap (tokens); None = the collection's saved setting

