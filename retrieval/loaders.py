@@ -8,8 +8,9 @@ then says how many, and where.  Anything that cannot give usable text raises
 `LoadError`, whose message names the file and says what to do about it.
 
 Methods: UTF-8 first (BOM allowed), else the encoding detected by charset-normalizer; PDF text per page
-with pypdf (tables found in its layout-mode text are written as Markdown tables, `_pdf_tables_as_markdown`); HTML main text with trafilatura, falling back to a plain stdlib `html.parser` extraction
-for small pages trafilatura rejects.
+with pypdf, its tables found by pdfplumber and written as Markdown tables
+(`ldqa.retrieval.pdf_tables`); HTML main text with trafilatura, falling back to a plain stdlib
+`html.parser` extraction for small pages trafilatura rejects.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Iterable
 from html.parser import HTMLParser
 from pathlib import Path
 
+from ldqa.retrieval.pdf_tables import tables_as_markdown
 from ldqa.retrieval.types import Document, PageSpan
 
 SUPPORTED_EXTENSIONS: dict[str, str] = {
@@ -79,8 +81,10 @@ def load_document(path: str | Path) -> Document:
     Document
         `path` absolute; `sha256` of the file bytes; `title` from the HTML <title>, the first Markdown
         ``# `` heading or the PDF metadata, else the file stem; `pages` (PDF only) the character span
-        of each 1-based page in `text`; `meta` holds ``encoding`` (text formats) or ``n_pages`` (PDF), and
-        ``warnings`` (a list of sentences) when characters without a Unicode mapping were dropped.
+        of each 1-based page in `text`; `meta` holds ``encoding`` (text formats) or ``n_pages`` (PDF, with
+        ``tables``, how many tables were written as Markdown tables, when there are any), and ``warnings``
+        (a list of sentences) when characters without a Unicode mapping were dropped or a PDF's tables
+        could not be detected.
 
     Raises
     ------
@@ -313,75 +317,22 @@ def _load_pdf(path: Path, data: bytes) -> tuple[str, str, list[PageSpan], dict]:
     page_texts = [normalize_text(t) for t in raw_pages]
     if not page_texts:
         raise LoadError(path, "the PDF has no pages; re-export it")
-    page_texts, n_tables = _pdf_tables_as_markdown(reader, page_texts)
     if not any(page_texts):
         raise LoadError(path, f"the PDF has no text layer ({len(page_texts)} pages of images or "
                               "drawings only); OCR it first, e.g. with ocrmypdf")
-    text, pages = join_pages(page_texts)
-    meta = {"n_pages": len(page_texts), **({"tables": n_tables} if n_tables else {})}
+    tables = tables_as_markdown(data, page_texts, normalize_text)
+    text, pages = join_pages(tables.page_texts)
+    meta = {"n_pages": len(page_texts), **({"tables": tables.n_tables} if tables.n_tables else {})}
+    warnings = list(tables.warnings or [])
     bad = {n: c for n, c in enumerate((unmapped_glyphs(t) for t in raw_pages), start=1) if c}
     if bad:
         listed = ", ".join(map(str, list(bad)[:10])) + (", ..." if len(bad) > 10 else "")
-        meta["warnings"] = _glyph_warning(sum(bad.values()), f" on page{'s' if len(bad) > 1 else ''} {listed}",
-                                          "the PDF's fonts lack a ToUnicode map: re-export it with text, or "
-                                          "OCR it (ocrmypdf --force-ocr)")
+        warnings += _glyph_warning(sum(bad.values()), f" on page{'s' if len(bad) > 1 else ''} {listed}",
+                                   "the PDF's fonts lack a ToUnicode map: re-export it with text, or "
+                                   "OCR it (ocrmypdf --force-ocr)")
+    if warnings:
+        meta["warnings"] = warnings
     return _pdf_title(reader), text, pages, meta
-
-
-_COLUMN_GAP_RE = re.compile(r"\s{3,}")
-_MIN_TABLE_ROWS = 3  # header + 2 rows, or 3 rows continuing a table from the previous page
-
-
-def _pdf_tables_as_markdown(reader, page_texts: list[str]) -> tuple[list[str], int]:
-    """Rewrite the rows of tables in PDF pages as Markdown pipe rows, so the chunker repeats their header.
-
-    pypdf's plain text gives a table row as its cells joined by single spaces ("SKU-0057 Widget 57 74.25
-    EUR"): the columns are lost. Its layout mode keeps them apart by runs of spaces. A table is a run of at
-    least `_MIN_TABLE_ROWS` consecutive layout lines that split into the same number (>= 2) of cells at
-    gaps of 3+ spaces, whose cells, joined by single spaces, are exactly consecutive lines of the plain
-    text; its first line is the header (a separator row is added after it). A run on a page's first lines
-    with as many columns as the table that ended the previous page continues it: that table's header is
-    repeated above it. Anything that does not match exactly is left as it was. Returns (page texts, number
-    of tables rewritten)."""
-    out, n_tables, carry = [], 0, None  # carry: (columns, header line) of the table ending the last page
-    for page, plain in zip(reader.pages, page_texts):
-        try:
-            layout = page.extract_text(extraction_mode="layout") or ""
-        except Exception:  # layout mode fails on some content streams: keep the plain text
-            out.append(plain)
-            carry = None
-            continue
-        rows = [_COLUMN_GAP_RE.split(line.strip()) for line in layout.split("\n") if line.strip()]
-        lines = plain.split("\n")
-        blocks, i = [], 0
-        while i < len(rows):
-            j = i
-            while j < len(rows) and len(rows[j]) >= 2 and len(rows[j]) == len(rows[i]):
-                j += 1
-            if j - i >= _MIN_TABLE_ROWS:
-                blocks.append(rows[i:j])
-            i = max(j, i + 1)
-        ends_with_table, first_block = False, True
-        for block in blocks:
-            joined = [" ".join(" ".join(c.split()) for c in cells) for cells in block]
-            at = next((k for k in range(len(lines) - len(joined) + 1)
-                       if [" ".join(x.split()) for x in lines[k:k + len(joined)]] == joined), None)
-            if at is None:
-                continue
-            ncol = len(block[0])
-            pipe = ["| " + " | ".join(" ".join(c.split()) for c in cells) + " |" for cells in block]
-            continues = first_block and at == 0 and carry is not None and carry[0] == ncol and pipe[0] != carry[1]
-            sep = "|" + "---|" * ncol
-            new = [carry[1], sep] + pipe if continues else [pipe[0], sep] + pipe[1:]
-            lines[at:at + len(joined)] = new
-            n_tables += not continues
-            ends_with_table = at + len(new) == len(lines)
-            carry = (ncol, new[0])
-            first_block = False
-        if not ends_with_table:
-            carry = None
-        out.append("\n".join(lines))
-    return out, n_tables
 
 
 def join_pages(page_texts: list[str]) -> tuple[str, list[PageSpan]]:

@@ -357,6 +357,175 @@ def test_pdf_prose_is_not_taken_for_a_table(tmp_path):
     assert "|" not in doc.text and "tables" not in doc.meta
 
 
+# PDF tables as report generators draw them: found by pdfplumber, written into pypdf's text
+def _site_rows(n: int = 70, blanks: bool = False) -> list[tuple[str, ...]]:
+    """A header and `n` rows; with `blanks`, every seventh row has an empty last cell."""
+    return [("Site", "City", "Capacity", "Manager")] + [
+        (f"Site-{i:03d}", ("Lille-2", "Lyon", "Saint-Etienne")[i % 3], f"{100 + 7 * i} t",
+         "" if blanks and i % 7 == 3 else f"Manager {i}") for i in range(n)]
+
+
+def _pipe(row: tuple[str, ...]) -> str:
+    return "| " + " | ".join(row) + " |"
+
+
+def _assert_table_read_whole(doc: Document, rows: list[tuple[str, ...]]) -> None:
+    """One Markdown table (continued across pages), each row on one line, no cell left as loose text; every
+    chunk holding a row names the columns and holds whole rows only."""
+    header, body = _pipe(rows[0]), [_pipe(r) for r in rows[1:]]
+    lines = doc.text.split("\n")
+    assert doc.meta["n_pages"] >= 2 and doc.meta["tables"] == 1, doc.meta
+    assert set(body) <= set(lines), [b for b in body if b not in lines][:3]
+    for r in rows[1:]:
+        assert doc.text.count(r[0]) == 1  # the table's text is not repeated as loose lines
+    assert not {"Lille-2", "Lyon", "Manager"} & {line.strip() for line in lines}
+    assert any(line.startswith("Site list for 2025") for line in lines)  # the prose stays prose
+    chunks = chunk_document(doc, _words, ChunkConfig(60, 8))
+    assert len(chunks) > 4
+    seen = set()
+    for c in chunks:
+        row_lines = [line for line in c.text.split("\n") if "Site-" in line]
+        assert all(line in body for line in row_lines), c.text  # no row is cut
+        if row_lines:  # the columns are named above the chunk's first row
+            assert 0 <= c.full_text.find(header + "\n|---|") < c.full_text.find(row_lines[0]), c.full_text[:200]
+        seen.update(row_lines)
+    assert seen == set(body)
+
+
+def _reportlab_table_pdf(path: Path, rows: list[tuple[str, ...]], ruled: bool) -> None:
+    """A report made with reportlab: a paragraph, a `Table` (one text object per cell, the header on the first
+    page only; with `ruled`, a grid), a paragraph."""
+    from reportlab.lib import colors
+    from reportlab.lib.styles import getSampleStyleSheet
+    from reportlab.platypus import Paragraph, SimpleDocTemplate, Table, TableStyle
+
+    style = getSampleStyleSheet()["Normal"]
+    table = Table(rows, hAlign="LEFT")
+    if ruled:
+        table.setStyle(TableStyle([("GRID", (0, 0), (-1, -1), 0.5, colors.black)]))
+    SimpleDocTemplate(str(path)).build([Paragraph("Site list for 2025. Capacities are in tonnes.", style), table,
+                                        Paragraph("Figures are audited every year.", style)])
+
+
+@pytest.mark.parametrize("ruled", [False, True], ids=["plain", "grid"])
+def test_reportlab_table_keeps_its_rows_whole_and_its_header_in_every_chunk(tmp_path, ruled):
+    rows = _site_rows()
+    p = tmp_path / "sites.pdf"
+    _reportlab_table_pdf(p, rows, ruled)
+    doc = load_document(p)
+    _assert_table_read_whole(doc, rows)
+    assert doc.text.rstrip().endswith("Figures are audited every year.")
+
+
+def _pages_pdf(streams: list[bytes]) -> bytes:
+    """A PDF whose page i runs content stream i, with Helvetica as /F1 and Courier as /F2."""
+    n = len(streams)
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
+               b"<< /Type /Pages /Kids [" + b" ".join(b"%d 0 R" % (5 + 2 * i) for i in range(n))
+               + b"] /Count %d >>" % n,
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>",
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Courier /Encoding /WinAnsiEncoding >>"]
+    for i, stream in enumerate(streams):
+        objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R "
+                       b"/F2 4 0 R >> >> /Contents %d 0 R >>" % (6 + 2 * i))
+        objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
+    return _assemble_pdf(objects)
+
+
+_COLUMNS = (72, 170, 290, 370)  # x of each column, in points
+
+
+def _row_ops(row: tuple[str, ...], y: int, way: str) -> list[bytes]:
+    """Content-stream operators that draw one table row at height `y`."""
+    if way == "cell objects":  # one text object per cell, as most report generators write
+        return [b"BT /F1 10 Tf 1 0 0 1 %d %d Tm (%s) Tj ET" % (x, y, c.encode()) for x, c in zip(_COLUMNS, row) if c]
+    if way == "one TJ per row":  # Courier (6 pt a character), each cell moved to its column by a displacement
+        parts, x = [], _COLUMNS[0]
+        for col, c in zip(_COLUMNS, row):
+            parts += [b"%d" % (-(col - x) * 100)] if col > x else []
+            parts.append(b"(%s)" % c.encode())
+            x = col + 6 * len(c)
+        return [b"BT /F2 10 Tf 1 0 0 1 %d %d Tm [%s] TJ ET" % (_COLUMNS[0], y, b" ".join(parts))]
+    padded = "".join(c.ljust((b - a) // 6) for c, a, b in zip(row, _COLUMNS, _COLUMNS[1:] + (460,))).rstrip()
+    return [b"BT /F2 10 Tf 1 0 0 1 %d %d Tm (%s) Tj ET" % (_COLUMNS[0], y, padded.encode())]  # one string per row
+
+
+def _drawn_table_pdf(rows: list[tuple[str, ...]], way: str, per_page: int = 40) -> bytes:
+    """A paragraph line, then `rows` drawn `way`, the header on the first page only."""
+    pages = [rows[:per_page + 1]] + [rows[i:i + per_page] for i in range(per_page + 1, len(rows), per_page)]
+    streams = []
+    for i, page_rows in enumerate(pages):
+        ops = []
+        if i == 0:
+            ops.append(b"BT /F1 10 Tf 1 0 0 1 72 770 Tm (Site list for 2025. Capacities are in tonnes.) Tj ET")
+        for k, row in enumerate(page_rows):
+            ops += _row_ops(row, 750 - 14 * k, way)
+        streams.append(b"\n".join(ops))
+    return _pages_pdf(streams)
+
+
+def test_cell_per_text_object_table_keeps_its_rows_whole_and_its_header_in_every_chunk(tmp_path):
+    rows = _site_rows(blanks=True)
+    p = tmp_path / "sites.pdf"
+    p.write_bytes(_drawn_table_pdf(rows, "cell objects"))
+    _assert_table_read_whole(load_document(p), rows)
+
+
+@pytest.mark.parametrize("way", ["one TJ per row", "one space-padded string per row"])
+def test_single_text_line_per_row_table_keeps_its_rows_whole_and_its_header_in_every_chunk(tmp_path, way):
+    rows = _site_rows(blanks=True)
+    p = tmp_path / "sites.pdf"
+    p.write_bytes(_drawn_table_pdf(rows, way))
+    _assert_table_read_whole(load_document(p), rows)
+
+
+def test_pdf_bullet_list_is_not_taken_for_a_table(tmp_path):
+    """Bullets set apart from their items line up like a column, but a list has no table's text: the page
+    gives pypdf's text unchanged."""
+    import pypdf
+
+    from ldqa.retrieval.loaders import join_pages
+
+    items = ["Check the seals every spring", "Replace the filters yearly", "Grease the fan hub bearings",
+             "Calibrate the humidity sensor"]
+    ops = [b"BT /F1 10 Tf 1 0 0 1 72 770 Tm (Maintenance of the kiln:) Tj ET"]
+    for k, item in enumerate(items):
+        ops.append(b"BT /F1 10 Tf 1 0 0 1 80 %d Tm (\x95) Tj 1 0 0 1 100 %d Tm (%s) Tj ET"
+                   % (750 - 14 * k, 750 - 14 * k, item.encode()))
+    p = tmp_path / "list.pdf"
+    p.write_bytes(_pages_pdf([b"\n".join(ops)]))
+    doc = load_document(p)
+    plain = join_pages([normalize_text(page.extract_text()) for page in pypdf.PdfReader(p).pages])[0]
+    assert doc.text == plain and "tables" not in doc.meta and "warnings" not in doc.meta
+    assert all(f"\u2022 {item}" in doc.text for item in items)
+
+
+@pytest.mark.parametrize("where", ["file", "page"])
+def test_pdf_tables_failing_keeps_the_text_with_a_warning(tmp_path, monkeypatch, where):
+    """When pdfplumber cannot read the file (or a page), the PDF still loads with pypdf's text, and says so."""
+    import pdfplumber
+    import pypdf
+
+    from ldqa.retrieval.loaders import join_pages
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("unreadable content stream")
+
+    rows = _site_rows()
+    p = tmp_path / "sites.pdf"
+    p.write_bytes(_drawn_table_pdf(rows, "cell objects"))
+    if where == "file":
+        monkeypatch.setattr(pdfplumber, "open", boom)
+    else:
+        monkeypatch.setattr(pdfplumber.page.Page, "find_tables", boom)
+    doc = load_document(p)
+    plain = join_pages([normalize_text(page.extract_text()) for page in pypdf.PdfReader(p).pages])[0]
+    assert doc.text == plain and "tables" not in doc.meta
+    [warning] = doc.meta["warnings"]
+    assert warning.startswith("tables could not be detected") and "unreadable content stream" in warning
+    assert ("pages 1, 2" in warning) == (where == "page") and "re-export" in warning
+
+
 @pytest.mark.parametrize("kind", ["md", "html", "pdf"])
 def test_question_about_a_bottom_row_retrieves_a_chunk_that_names_the_columns(tiny_model_dir, tmp_path, kind):
     from ldqa.app.api import LongDocQA
