@@ -705,3 +705,67 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, embedder={self.embedder_name!r}, dim={self.dim})"
+
+
+def database_identity(directory: str | os.PathLike) -> dict:
+    """What identifies the collection in `directory` without its paths: {"created_at", "generation",
+    "documents", "digest"} (digest: sha256 over the document ids and file hashes). Read only; a copy made
+    by `copy_database` has the identity of its source, whatever paths it rewrote.
+
+    Raises
+    ------
+    FileNotFoundError
+        If `directory` holds no collection database.
+    """
+    import hashlib
+
+    db = Path(directory).expanduser() / DB_NAME
+    if not db.is_file():
+        raise FileNotFoundError(f"no collection in {db.parent} (no {DB_NAME})")
+    conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        docs = conn.execute("SELECT id, sha256 FROM documents ORDER BY id").fetchall()
+    finally:
+        conn.close()
+    digest = hashlib.sha256("\n".join(f"{i} {s}" for i, s in docs).encode()).hexdigest()
+    return {"created_at": meta.get("created_at", ""), "generation": int(meta.get("generation", 0)),
+            "documents": len(docs), "digest": digest}
+
+
+def copy_database(src: str | os.PathLike, dst: str | os.PathLike, relocate: tuple[str, str] | None = None) -> dict:
+    """Copy the collection database of directory `src` into directory `dst` (created) as one consistent
+    snapshot (SQLite's online backup, so a write in progress is either in it or not), after folding the
+    source's write-ahead log into its main file. In the copy only, document paths that start with
+    ``relocate[0]`` are rewritten to start with ``relocate[1]`` (files moved along with the collection).
+    Returns the copy's `database_identity`. The vectors file is not copied (a store rebuilds it).
+
+    Raises
+    ------
+    FileNotFoundError
+        If `src` holds no collection database.
+    FileExistsError
+        If `dst` already holds one.
+    """
+    src_db, dst_db = Path(src).expanduser() / DB_NAME, Path(dst).expanduser() / DB_NAME
+    if not src_db.is_file():
+        raise FileNotFoundError(f"no collection in {src_db.parent} (no {DB_NAME})")
+    if dst_db.exists():
+        raise FileExistsError(f"{dst_db} exists: a collection is already there")
+    dst_db.parent.mkdir(parents=True, exist_ok=True)
+    source = sqlite3.connect(src_db, timeout=30.0)
+    try:
+        source.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the main file alone then holds every commit
+        target = sqlite3.connect(dst_db)
+        try:
+            source.backup(target)
+            if relocate:
+                old, new = relocate
+                with target:
+                    target.execute("UPDATE documents SET path = ? || substr(path, ?) WHERE substr(path, 1, ?) = ?",
+                                   [new, len(old) + 1, len(old), old])
+        finally:
+            target.close()
+    finally:
+        source.close()
+    return database_identity(dst_db.parent)
