@@ -223,6 +223,7 @@ class LongDocQA:
         self._ingest_lock = threading.Lock()
         self._generate_lock = threading.Lock()  # one generation at a time per model (CPU-bound anyway)
         self._retriever = None
+        self.search_also: tuple = ()  # other collections' Stores searched with this one (`with_store`)
         from ldqa.indexes.kv_store import KVBlockStore
 
         self.kv_store = KVBlockStore(self.store.path / "kv", memory_budget_bytes=kv_budget_mb << 20)
@@ -325,6 +326,36 @@ class LongDocQA:
         other._chats = {}
         return other
 
+    def with_store(self, store, search_also=()) -> "LongDocQA":
+        """This model over another collection: a LongDocQA on `store` (a directory, created if missing, or
+        an open `Store`) that shares this one's embedder, model, answer cap, exact-prefill memo and
+        generation lock (one generation at a time across both; a prompt identical, token for token, to one
+        prefilled for either is served from the memo), with its own KV block store (<store>/kv; this one's
+        when `store` is this one's Store) and ingest lock.
+
+        search_also: open `Store`s searched together with `store` by `retrieve`, `ask` and `stream`
+        (`ldqa.app.collections.MergedRetriever`); ingest and delete act on `store` only.
+
+        Raises IndexMismatchError when `store` was built with another embedding model.
+        """
+        import copy
+
+        from ldqa.indexes.kv_store import KVBlockStore
+        from ldqa.indexes.store import Store
+
+        other = copy.copy(self)  # shallow: the model, memo and generation lock are the same objects
+        if store is not self.store:
+            other.store = store if isinstance(store, Store) else Store(Path(store), self.embedder.name,
+                                                                       self.embedder.dim)
+            other.kv_store = KVBlockStore(other.store.path / "kv",
+                                          memory_budget_bytes=self.kv_store.memory_budget_bytes)
+            other.store.on_chunks_removed(other.kv_store.drop_chunks)
+            other._ingest_lock = threading.Lock()
+        other.search_also = tuple(search_also)
+        other._retriever = None
+        other._engine = None
+        return other
+
     # ----------------------------------------------------------------- models
     def chat_format(self, instruction: str | None = None):
         """The model's chat format for `instruction` (None: `ldqa.app.chat.CHAT_INSTRUCTION`), the one
@@ -372,9 +403,15 @@ class LongDocQA:
 
     @property
     def retriever(self):
+        """The retriever of `retrieve`, `ask` and `stream`: a `Retriever` of this collection, or a
+        `MergedRetriever` of it and `search_also` (created on first use)."""
         from ldqa.retrieval.retriever import Retriever
 
-        if self._retriever is None:
+        if self._retriever is None and self.search_also:
+            from ldqa.app.collections import MergedRetriever
+
+            self._retriever = MergedRetriever([self.store, *self.search_also], self.embedder)
+        elif self._retriever is None:
             self._retriever = Retriever(self.store, self.embedder)
         return self._retriever
 
