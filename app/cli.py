@@ -5,7 +5,7 @@
     ldqa ask - < question.txt   or   ldqa ask --question-file question.txt
     ldqa demo [--store DIR]     # ingest the bundled sample, answer its questions
     ldqa eval BENCHMARK --data PATH --modes full,block,hf [--limit N] [--seed S] [--out DIR]  # see ldqa.eval.harness
-    ldqa serve [--store DIR] [--host 127.0.0.1] [--port 7860]   # the web app (see ldqa.app.ui)
+    ldqa serve [--store DIR] [--auth-file F] [--shared-store DIR]   # the web app (see ldqa.app.ui)
 """
 
 from __future__ import annotations
@@ -133,8 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help=f"batch evaluation: {', '.join(BENCHMARKS)}; modes compared in one table")
     add_arguments(p)
 
-    p = sub.add_parser("serve", help="the web app: upload documents, ask, read the cited passages")
-    _common(p)
+    p = sub.add_parser("serve", help="the web app: upload documents, ask, read the cited passages",
+                       description="The web app (docs/web-app.md). Without login, every browser session uses the "
+                                   "one collection in --store. With login (--auth-file, or LDQA_UI_USER and "
+                                   "LDQA_UI_PASSWORD), each user has a private collection in STORE/users/NAME "
+                                   "and searches the shared collection STORE/shared with it, read-only; a "
+                                   "store that held a single collection has its documents moved to "
+                                   "STORE/shared the first time it is served with login.")
+    _common(p, "the served store (default: the user's data dir, ldqa/default): the collection, or with login "
+               "the directory of every user's collection and the shared one")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--concurrency", type=int, default=2, help="requests served at once (default 2)")
@@ -142,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="default answer cap in tokens (default: the collection's saved setting, else 64)")
     p.add_argument("--auth-file", default=None,
-                   help="file of user:password lines for a login page (or set LDQA_UI_USER and LDQA_UI_PASSWORD)")
+                   help="file of user:password lines for a login page (or set LDQA_UI_USER and LDQA_UI_PASSWORD); "
+                        "each user then has a private collection")
+    p.add_argument("--shared-store", default=None, metavar="DIR",
+                   help="a collection every session also searches, read-only in the web app (fill it with "
+                        "ldqa ingest FILES --store DIR)")
     return ap
 
 
@@ -361,11 +372,20 @@ def cmd_serve(args) -> int:
     import threading
     import time
 
+    from ldqa.app.collections import check_shared_store, serve_layout
     from ldqa.app.ui import UIConfig, build_app, launch, read_auth
+    from ldqa.indexes.store import default_store_dir
 
     auth = read_auth(args.auth_file, os.environ)
+    root = args.store or default_store_dir()
+    shared = (check_shared_store(args.shared_store, root, login=bool(auth)),) if args.shared_store else ()
+    store, users, note = serve_layout(root, login=bool(auth))
+    if note:
+        print(f"ldqa serve: {note}", file=sys.stderr)
+    args.store = str(store)
     qa = _qa(args, max_new_tokens=args.max_new_tokens)  # raises (exit 2) for a missing/unsupported model
-    cfg = UIConfig(concurrency=args.concurrency, max_upload_mb=args.max_upload_mb, max_new_tokens=qa.max_new_tokens)
+    cfg = UIConfig(concurrency=args.concurrency, max_upload_mb=args.max_upload_mb, max_new_tokens=qa.max_new_tokens,
+                   users_dir=users, shared_stores=shared)
     app = build_app(qa, cfg)
     failed: list[Exception] = []
 
@@ -381,7 +401,9 @@ def cmd_serve(args) -> int:
             app.close(verbose=False)  # launch() below returns
 
     threading.Thread(target=warm_up, daemon=True).start()
-    print(f"ldqa serve: collection {qa.store.path}, model {qa.model_name}; http://{args.host}:{args.port}"
+    where = (f"a collection per user in {users}, shared collection {qa.store.path}" if users
+             else f"collection {qa.store.path}") + "".join(f", shared collection {p}" for p in cfg.shared_stores)
+    print(f"ldqa serve: {where}, model {qa.model_name}; http://{args.host}:{args.port}"
           + (" (login required)" if auth else ""), file=sys.stderr)
     launch(app, cfg, host=args.host, port=args.port, auth=auth, block=True)
     if failed:

@@ -8,10 +8,14 @@ their dense/BM25/fused scores, per-answer timings), Documents (multi-file upload
 the collection, delete) and Eval (a needle-in-a-haystack run of `ldqa.eval.harness` over the bundled
 sample, on the Chat settings).
 
-Sharing between sessions: every browser session shares the server's `LongDocQA` (one store, one model);
-the API serializes ingest/delete (one lock) and generation (one lock, shared with the `with_model`
-copies used for the model setting), and `Store` is thread-safe. A session's chat lives only in its own
-component values and `gr.State`, so two sessions never see each other's answers. The queue runs at most
+Sharing between sessions: without login every browser session shares the server's `LongDocQA` (one
+store, one model), and an upload that replaces a file another session uploaded says so. With login
+(`UIConfig.users_dir`) each user has a private collection (`ldqa.app.collections`), a `with_store` copy
+of the server's `LongDocQA` that shares its model, exact-prefill memo and generation lock; shared
+collections (`UIConfig.shared_stores`, and in per-user mode the app's own collection) are searched with
+it and never written. The API serializes ingest/delete per collection and generation across all of
+them, and `Store` is thread-safe. A session's chat lives only in its own component values and
+`gr.State`, so two sessions never see each other's answers. The queue runs at most
 `UIConfig.concurrency` events at a time (the Eval run: one at a time).
 """
 
@@ -27,6 +31,7 @@ from pathlib import Path
 import gradio as gr
 
 from ldqa.app.api import ATTENTION_MODES, DEFAULT_ATTENTION, DEFAULT_TOP_K, RETRIEVERS, LongDocQA, default_debias
+from ldqa.app.collections import LOGIN_HINT, user_dir_name
 from ldqa.retrieval.loaders import SUPPORTED_EXTENSIONS
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
@@ -48,36 +53,81 @@ class UIConfig:
     concurrency : events the queue runs at once (gr.Blocks.queue default_concurrency_limit).
     max_upload_mb : largest accepted file (MB); larger uploads are refused with a message.
     max_new_tokens : default answer cap (tokens) shown in the Chat settings.
+    users_dir : per-user collections (needs a login page): user NAME reads and writes only the collection
+        in users_dir/<`user_dir_name`(NAME)>, and searches the app's own collection with it, read-only;
+        None: every session uses the app's collection.
+    shared_stores : directories of collections every session also searches, read-only (`ldqa serve
+        --shared-store`).
     """
 
     concurrency: int = 2
     max_upload_mb: float = 50.0
     max_new_tokens: int = 64
+    users_dir: str | Path | None = None
+    shared_stores: tuple = ()
 
     def __post_init__(self):
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.max_upload_mb <= 0:
             raise ValueError(f"max_upload_mb must be > 0, got {self.max_upload_mb}")
+        self.shared_stores = tuple(self.shared_stores or ())
 
 
 class Server:
-    """The state every session shares: the collection's `LongDocQA` and its per-model copies.
+    """The state every session shares: the app's `LongDocQA`, the per-user collections made from it, and
+    their per-model copies.
 
-    Event handlers are methods; they never keep per-session data on `self`.
+    Event handlers are methods; they take the session's `gr.Request` (its user and session id) and never
+    keep per-session data on `self`.
     """
 
     def __init__(self, qa: LongDocQA, cfg: UIConfig):
-        self.qa, self.cfg = qa, cfg
-        self.uploads = qa.store.path / "uploads"  # uploaded files live here, so re-uploads replace by name
-        self._models = {qa.model_name: qa}
-        self._files_lock = threading.Lock()  # copy + ingest of one upload, so two same-named files never mix
+        from ldqa.indexes.store import Store
 
-    def qa_for(self, model: str) -> LongDocQA:
-        """The shared LongDocQA answering with `model` (same store and locks)."""
-        if model not in self._models:
-            self._models[model] = self.qa.with_model(model)
-        return self._models[model]
+        self.qa, self.cfg = qa, cfg
+        others = [Store(Path(p), qa.embedder.name, qa.embedder.dim) for p in cfg.shared_stores]
+        if cfg.users_dir is None:  # one collection for every session: the app's, searched with the shared ones
+            self.shared = others
+            self.base = qa.with_store(qa.store, search_also=others) if others else qa
+        else:  # the app's collection is the shared one every user searches
+            self.shared = [qa.store, *others]
+            self.base = None
+        self._collections: dict[str, LongDocQA] = {}
+        self._models: dict[tuple, LongDocQA] = {(None, qa.model_name): self.base or qa}
+        self._lock = threading.Lock()  # creating a user's collection or a model copy
+        self._files_lock = threading.Lock()  # copy + ingest of one upload, so two same-named files never mix
+        self._uploaded_by: dict[str, str] = {}  # uploaded file path -> session that last ingested it
+
+    @property
+    def per_user(self) -> bool:
+        """Whether each logged-in user has a private collection."""
+        return self.cfg.users_dir is not None
+
+    def collection(self, request: gr.Request | None) -> LongDocQA:
+        """The collection of `request`'s session: its user's (created on first use) with login, else the
+        app's. Raises gr.Error in per-user mode when the request carries no user."""
+        if not self.per_user:
+            return self.base
+        user = getattr(request, "username", None)
+        if not user:
+            raise gr.Error("This server keeps a collection per user: log in first.")
+        with self._lock:
+            if user not in self._collections:
+                path = Path(self.cfg.users_dir) / user_dir_name(user)
+                self._collections[user] = self.qa.with_store(path, search_also=self.shared)
+            return self._collections[user]
+
+    def qa_for(self, model: str, request: gr.Request | None = None) -> LongDocQA:
+        """The LongDocQA of `request`'s collection answering with `model` (same store and locks); in
+        per-user mode, the app's own for request None."""
+        user = getattr(request, "username", None) if self.per_user else None
+        key = (user, model)
+        if key not in self._models:
+            qa = self.qa if self.per_user and request is None else self.collection(request)
+            with self._lock:
+                self._models.setdefault(key, qa.with_model(model))
+        return self._models[key]
 
     def answer_cap(self, model: str, value) -> gr.Slider:
         """The "Max new tokens" control for `model`: 1 to its context window (tokens), never below the
@@ -90,87 +140,115 @@ class Server:
         return answer_cap_slider(window, int(value or self.cfg.max_new_tokens))
 
     # ------------------------------------------------------------------ documents
-    def status(self) -> str:
-        docs = self.qa.documents()
-        return (f"**ldqa** · collection `{self.qa.store.path}` · {len(docs)} documents · "
-                f"{sum(d.get('n_chunks') or 0 for d in docs)} chunks · model `{Path(self.qa.model_name).name}`")
+    def status(self, request: gr.Request | None = None) -> str:
+        """The header line: whose collection, its documents and chunks, the shared ones, the model."""
+        model = f"model `{Path(self.qa.model_name).name}`"
+        if self.per_user and request is None:
+            return f"**ldqa** · {model}"
+        qa = self.collection(request)
+        docs = qa.documents()
+        owner = (f"**{html.escape(request.username)}**'s collection" if self.per_user else "collection")
+        shared = sum(s.n_documents() for s in self.shared)
+        also = f" · {shared} shared documents (read-only)" if self.shared else ""
+        return (f"**ldqa** · {owner} `{qa.store.path}` · {len(docs)} documents · "
+                f"{sum(d.get('n_chunks') or 0 for d in docs)} chunks{also} · {model}")
 
-    def documents_table(self) -> list[list]:
-        return [[d["id"], Path(d["path"]).name, d.get("kind") or "", _size(d.get("bytes")), d.get("n_chunks"),
-                 (d.get("added_at") or "")[:16].replace("T", " ")] for d in self.qa.documents()]
+    def documents_table(self, request: gr.Request | None = None) -> list[list]:
+        """The session's documents (id, name, type, size, chunks, added), then the shared ones (no id:
+        they cannot be deleted here)."""
+        if self.per_user and request is None:
+            return []
+        own = self.collection(request).documents()
+        shared = [d for s in self.shared for d in s.documents()]
+        return [_doc_row(d, d["id"], "") for d in own] + [_doc_row(d, "", " (shared)") for d in shared]
 
-    def refresh(self):
-        """(status line, documents table, delete choices)."""
-        table = self.documents_table()
-        choices = [(f"{row[1]} (#{row[0]})", row[0]) for row in table]
-        return self.status(), table, gr.Dropdown(choices=choices, value=None)
+    def refresh(self, request: gr.Request = None):
+        """(status line, documents table, delete choices) of the session's collection."""
+        table = self.documents_table(request)
+        choices = [(f"{row[1]} (#{row[0]})", row[0]) for row in table if row[0] != ""]
+        return self.status(request), table, gr.Dropdown(choices=choices, value=None)
 
-    def ingest(self, files, progress=gr.Progress()):
-        """Ingest uploaded files one by one, yielding the per-file results table as it fills in."""
+    def ingest(self, files, request: gr.Request = None, progress=gr.Progress()):
+        """Ingest uploaded files one by one into the session's collection, yielding the per-file results
+        table as it fills in."""
         paths = [Path(f) for f in (files or [])]
         if not paths:
-            yield [["", "nothing to ingest", "", "choose one or more files first"]], *self.refresh(), None
+            yield [["", "nothing to ingest", "", "choose one or more files first"]], *self.refresh(request), None
             return
+        qa = self.collection(request)
+        session = getattr(request, "session_hash", None) or ""
         rows = [[p.name, "queued", "", ""] for p in paths]
         for i, p in enumerate(paths):
             progress((i, len(paths)), desc=f"ingesting {p.name}", unit="files")
             rows[i][1] = "ingesting…"
             yield rows, gr.skip(), gr.skip(), gr.skip(), gr.skip()
             try:
-                rows[i] = self._ingest_one(p)
+                rows[i] = self._ingest_one(p, qa, session)
             except Exception as e:  # an unreadable upload, a full disk: this file's error, the others go on
                 rows[i] = [p.name, "error", 0, f"{type(e).__name__}: {e}"]
         progress((len(paths), len(paths)), unit="files")
-        yield rows, *self.refresh(), None
+        yield rows, *self.refresh(request), None
 
-    def ingest_sample(self, progress=gr.Progress()):
+    def ingest_sample(self, request: gr.Request = None, progress=gr.Progress()):
         """Ingest the bundled sample documents (same per-file results as an upload)."""
-        yield from self.ingest(sorted(str(p) for p in (SAMPLE_DIR / "docs").iterdir()), progress)
+        yield from self.ingest(sorted(str(p) for p in (SAMPLE_DIR / "docs").iterdir()), request, progress)
 
-    def _ingest_one(self, src: Path) -> list:
-        """One file: check type and size, copy into <store>/uploads, ingest; its results-table row."""
+    def _ingest_one(self, src: Path, qa: LongDocQA, session: str = "") -> list:
+        """One file: check type and size, copy into <collection>/uploads, ingest; its results-table row.
+        A file that replaces the same-named upload of another browser session says so."""
         if src.suffix.lower() not in SUPPORTED_EXTENSIONS:
             return [src.name, "error", 0, f"type '{src.suffix or 'none'}' is not supported: upload {ALLOWED_TYPES}"]
         size = src.stat().st_size if src.exists() else 0
         if size > self.cfg.max_upload_mb * 2**20:
             return [src.name, "error", 0, f"{size / 2**20:.1f} MB is over the {self.cfg.max_upload_mb:g} MB limit"]
+        uploads = _uploads(qa)
         with self._files_lock:
-            self.uploads.mkdir(parents=True, exist_ok=True)
-            dest = self.uploads / src.name
+            uploads.mkdir(parents=True, exist_ok=True)
+            dest = uploads / src.name
             backup = dest.with_name(dest.name + ".previous") if dest.exists() else None
             if backup:
                 dest.replace(backup)
             shutil.copyfile(src, dest)
-            r = self.qa.ingest([dest]).files[0]
+            r = qa.ingest([dest]).files[0]
             if backup and r.status == "error":
                 backup.replace(dest)  # the stored version stays on disk
             elif backup:
                 backup.unlink()
-            if self.qa.store.get_document_by_path(str(dest.resolve())) is None:
+            key = str(dest.resolve())
+            if qa.store.get_document_by_path(key) is None:
                 dest.unlink(missing_ok=True)  # failed, or the same content is stored elsewhere
+            before = self._uploaded_by.get(key)
+            if r.status in ("added", "replaced"):
+                self._uploaded_by[key] = session
         detail = r.reason if r.status in ("error", "skipped") else f"{r.ms / 1000:.1f} s"
         if r.status == "skipped":
-            detail = "duplicate: " + detail.replace(str(self.uploads) + "/", "")
+            detail = "duplicate: " + detail.replace(str(uploads) + "/", "")
+        if r.status == "replaced" and before is not None and before != session:
+            detail = (f"replaced the {src.name} another browser session uploaded: every session is now answered "
+                      f"from this version; {detail}")
         if r.warnings:
             detail += "; warning: " + " ".join(r.warnings)
         return [src.name, r.status, r.chunks, detail]
 
-    def delete(self, doc_id):
-        """Delete the chosen document (chunks, vectors, KV blocks and its uploaded file)."""
-        if doc_id is None:
-            return "Choose a document to delete.", *self.refresh()
-        doc = next((d for d in self.qa.documents() if d["id"] == int(doc_id)), None)
+    def delete(self, doc_id, request: gr.Request = None):
+        """Delete the chosen document of the session's collection (chunks, vectors, KV blocks and its
+        uploaded file)."""
+        if doc_id is None or doc_id == "":
+            return "Choose a document to delete.", *self.refresh(request)
+        qa = self.collection(request)
+        doc = next((d for d in qa.documents() if d["id"] == int(doc_id)), None)
         if doc is None:
-            return f"Document #{doc_id} is already gone.", *self.refresh()
-        n = self.qa.delete(int(doc_id))
+            return f"Document #{doc_id} is already gone.", *self.refresh(request)
+        n = qa.delete(int(doc_id))
         path = Path(doc["path"])
-        if path.parent == self.uploads.resolve():
+        if path.parent == _uploads(qa).resolve():
             path.unlink(missing_ok=True)
-        return f"Deleted **{path.name}**: {n} chunks, their vectors and KV blocks.", *self.refresh()
+        return f"Deleted **{path.name}**: {n} chunks, their vectors and KV blocks.", *self.refresh(request)
 
     # ------------------------------------------------------------------ chat
-    def ask(self, question, history, model, top_k, retriever, attention, debias, max_new):
-        """Stream an answer into this session's chat; then its citations, passages and timings."""
+    def ask(self, question, history, model, top_k, retriever, attention, debias, max_new, request: gr.Request = None):
+        """Stream an answer from the session's collection into its chat; then its citations, passages and
+        timings."""
         history = list(history or [])
         q = (question or "").strip()
         if not q:
@@ -179,7 +257,7 @@ class Server:
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": "_retrieving passages…_"}]
         yield history, "", gr.skip(), gr.skip(), gr.skip()
         try:
-            stream = self.qa_for(model).stream(q, top_k=int(top_k), retriever=retriever, attention=attention,
+            stream = self.qa_for(model, request).stream(q, top_k=int(top_k), retriever=retriever, attention=attention,
                                                debias=_debias(debias), max_new_tokens=int(max_new))
         except Exception as e:  # empty collection, bad setting, model that cannot load: say so in the chat
             history[-1] = {"role": "assistant", "content": _ask_error(e)}
@@ -206,6 +284,16 @@ class Server:
 
 
 # ---------------------------------------------------------------------- rendering
+
+def _uploads(qa: LongDocQA) -> Path:
+    """Where the web app keeps the files uploaded to `qa`'s collection (a re-upload replaces by name)."""
+    return qa.store.path / "uploads"
+
+
+def _doc_row(d: dict, doc_id, suffix: str) -> list:
+    return [doc_id, Path(d["path"]).name + suffix, d.get("kind") or "", _size(d.get("bytes")), d.get("n_chunks"),
+            (d.get("added_at") or "")[:16].replace("T", " ")]
+
 
 def _size(n) -> str:
     if n is None:
@@ -243,18 +331,31 @@ def answer_markdown(ans) -> str:
 
 
 def timing_line(ans) -> str:
-    """retrieval ms · TTFT ms · tokens/s · prompt tokens reused from the KV store · attention used."""
+    """retrieval ms · TTFT ms · tokens/s · prompt tokens reused (`reuse_text`) · attention used."""
     t, s = ans.timings, ans.settings
     used = s.get("attention_used", s.get("attention", "full"))
     parts = [f"retrieval {t['retrieval_ms']:.0f} ms", f"TTFT {t['ttft_ms']:,.0f} ms",
-             f"{t['tokens_per_s']:.1f} tokens/s",
-             f"{t.get('tokens_reused', 0):,}/{t['prompt_tokens']:,} prompt tokens reused from the KV store",
+             f"{t['tokens_per_s']:.1f} tokens/s", reuse_text(t),
              f"attention {used}", f"model {Path(s.get('model', '')).name}"]
     if t.get("retrieval_steps"):
         parts.append(f"{t['keys_touched_per_step']:.0f} keys/step ({100 * t['keys_touched_fraction']:.1f}%)")
     if s.get("debias", "none") != "none":
         parts.append(f"debias {s['debias']} (+{t.get('debias_ms', 0):,.0f} ms)")
     return "<small>" + " · ".join(parts) + "</small>"
+
+
+def reuse_text(t: dict) -> str:
+    """How much of the prompt was not computed for this answer, from its timings `t`: tokens read from
+    stored KV blocks (block modes), or the whole prompt when its exact prefill was a copy of an identical
+    earlier prompt's (the prefill memo, shared by every session and user); with debiasing, whose extra
+    prefills may be copies while the question is recomputed, the prefill time those copies saved."""
+    n, kv, memo_ms = t["prompt_tokens"], t.get("tokens_reused", 0), t.get("reused_prefill_ms") or 0.0
+    if memo_ms > 0 and not kv and "debias_passes" not in t:  # the answer's context is the memo's copy
+        return f"{n:,}/{n:,} prompt tokens reused from an identical earlier prompt's prefill"
+    text = f"{kv:,}/{n:,} prompt tokens reused from the KV store"
+    if memo_ms > 0:
+        text += f", plus prefills of identical earlier prompts ({memo_ms:,.0f} ms of prefill reused)"
+    return text
 
 
 def passage_records(ans) -> list[dict]:
@@ -410,17 +511,20 @@ footer { display: none !important; }
 
 
 def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
-    """The Gradio Blocks page over `qa` (shared by every session). Launch it with `launch`."""
+    """The Gradio Blocks page over `qa`: every session's collection, or with `cfg.users_dir` the shared
+    collection every user searches beside a private one. Launch it with `launch`."""
     from ldqa.attention.debias import METHODS as DEBIAS_METHODS
     from ldqa.attention.loader import PACKAGED_MODELS
 
     cfg = cfg or UIConfig(max_new_tokens=qa.max_new_tokens)
     srv = Server(qa, cfg)
+    docs_label = ("Your collection (only you see it), then the shared documents (read-only)" if srv.per_user else
+                  "Collection" + (", then the shared documents (read-only)" if srv.shared else ""))
     models = list(dict.fromkeys([qa.model_name, *PACKAGED_MODELS]))
     examples = [q["question"] for q in _sample_questions()[:3]]
     with gr.Blocks(title="ldqa — ask your documents") as app:
         header = gr.Markdown(srv.status(), elem_id="ldqa-header")
-        with gr.Tabs(selected="chat" if qa.documents() else "docs"):
+        with gr.Tabs(selected="chat" if qa.documents() and not srv.per_user else "docs"):
             with gr.Tab("Chat", id="chat"):
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=11):
@@ -457,7 +561,7 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                                                elem_id="ldqa-ingest-results", wrap=True,
                                                column_widths=["30%", "15%", "14%", "41%"])
                     with gr.Column(scale=1):
-                        docs = gr.Dataframe(srv.documents_table(), headers=DOC_HEADERS, label="Collection",
+                        docs = gr.Dataframe(srv.documents_table(), headers=DOC_HEADERS, label=docs_label,
                                             interactive=False, elem_id="ldqa-docs", wrap=True,
                                             column_widths=["7%", "35%", "9%", "13%", "11%", "25%"])
                         with gr.Row():
@@ -478,7 +582,7 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                 with gr.Row():
                     heatmap = gr.Image(label="Accuracy by length and depth", type="pil", interactive=False)
                     ttft = gr.Image(label="TTFT vs context length", type="pil", interactive=False)
-        store_dir = gr.State(str(qa.store.path))
+        store_dir = gr.State(str(Path(cfg.users_dir).parent if srv.per_user else qa.store.path))
 
         listing = [header, docs, doc_pick]
         settings = [model, top_k, retriever, attention, debias, max_new]
@@ -514,7 +618,10 @@ def _sample_questions() -> list[dict]:
 def launch(app: gr.Blocks, cfg: UIConfig, host: str = "127.0.0.1", port: int = 7860,
            auth: list[tuple[str, str]] | None = None, block: bool = True) -> str:
     """Serve `app` on host:port (never shared publicly); returns the local URL. block=False returns at
-    once (tests); close with `app.close()`. Raises OSError when the port is taken."""
+    once (tests); close with `app.close()`. Raises OSError when the port is taken, ValueError when `cfg`
+    has per-user collections (users_dir) and `auth` no users."""
+    if cfg.users_dir is not None and not auth:
+        raise ValueError(f"per-user collections need a login page: give users ({LOGIN_HINT})")
     app.queue(default_concurrency_limit=cfg.concurrency)
     _, url, _ = app.launch(server_name=host, server_port=port, share=False, auth=auth, show_error=True,
                            max_file_size=f"{cfg.max_upload_mb:g}mb", prevent_thread_lock=not block, quiet=not block,

@@ -179,3 +179,14 @@ def test_ask_reads_the_question_from_stdin_or_a_file_and_checks_its_length_first
     assert r.returncode == 2 and "--question-file" in r.stderr and "missing.txt" in r.stderr
     r = _ldqa("ask", *common)
     assert r.returncode == 2 and "no question" in r.stderr and "--question-file" in r.stderr
+
+
+def test_serve_help_and_store_errors_name_the_collections(tmp_path):
+    r = _ldqa("serve", "--help")
+    assert r.returncode == 0 and "--shared-store DIR" in r.stdout and "STORE/users/NAME" in r.stdout
+    r = _ldqa("serve", "--store", tmp_path / "store", "--shared-store", tmp_path / "nope")
+    assert r.returncode == 2 and f"--shared-store {tmp_path / 'nope'}: no collection there" in r.stderr
+    assert "ldqa ingest" in r.stderr
+    (tmp_path / "per-user" / "users").mkdir(parents=True)  # a store that has been served with login
+    r = _ldqa("serve", "--store", tmp_path / "per-user")
+    assert r.returncode == 2 and "serve it with login" in r.stderr and "--store" in r.stderr

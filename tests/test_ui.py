@@ -4,6 +4,7 @@ tab; a tiny random-weight Gemma 3 for speed and, marked slow, the real Gemma 3 2
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 from pathlib import Path
@@ -223,5 +224,176 @@ def test_real_gemma_answer_cites_the_passage(tmp_path):
         cites = [m for m in chat[2:] if (m.get("metadata") or {}).get("title", "").startswith("[")]
         assert cites and "3.2 cubic metres" in text_of(cites[0]).split("<mark>")[1].split("</mark>")[0]
         assert any(r[5] for r in passages["data"])  # the cited passage is marked in the table
+    finally:
+        app.close()
+
+
+# ---------------------------------------------------------------------- several users
+
+USERS = [("ann", "ann-pw"), ("bob", "bob-pw")]
+REPORTS = {"ann": "# Quarterly report\n\nThe Lille depot shipped 412 pallets of walnut veneer in March.\n",
+           "bob": "# Quarterly report\n\nThe Porto depot shipped 977 crates of cork board in March.\n"}
+QUESTION = "How much did the depot ship in March?"
+
+
+def start_per_user(root: Path, model: str, shared_stores=()):
+    """(url, qa, app) of a server with login and a collection per user under `root`, as `ldqa serve` lays
+    it out."""
+    from ldqa.app.collections import serve_layout
+
+    store, users, _ = serve_layout(root, login=True)
+    qa = LongDocQA(store=store, model=model, max_new_tokens=8)
+    cfg = UIConfig(max_new_tokens=8, users_dir=users, shared_stores=tuple(shared_stores))
+    app = build_app(qa, cfg)
+    return launch(app, cfg, port=free_port(), auth=USERS, block=False), qa, app
+
+
+def upload(client: Client, path: Path) -> list:
+    """The ingestion results rows of one uploaded file."""
+    rows, *_ = client.predict([handle_file(path)], api_name="/ingest")
+    return rows["data"]
+
+
+def documents(client: Client) -> list[str]:
+    _, table, _ = client.predict(api_name="/documents")
+    return [r[1] for r in table["data"]]
+
+
+def test_with_login_each_user_is_answered_only_from_their_own_documents(tmp_path, tiny_model_dir):
+    model = str(tiny_model_dir("gemma3"))
+    shared_dir = tmp_path / "handbook"
+    (tmp_path / "handbook-src").mkdir()
+    policy = tmp_path / "handbook-src" / "policy.md"
+    policy.write_text("# Travel policy\n\nTrain tickets over 300 euros need a manager's approval.\n")
+    LongDocQA(store=shared_dir, model=model).ingest([policy])
+    url, qa, app = start_per_user(tmp_path / "store", model, shared_stores=[shared_dir])
+    try:
+        clients = {u: Client(url, auth=(u, pw), verbose=False) for u, pw in USERS}
+        for user, client in clients.items():  # the same file name, different contents, one after the other
+            f = tmp_path / user / "report.md"
+            f.parent.mkdir()
+            f.write_text(REPORTS[user])
+            [row] = upload(client, f)
+            assert row[:2] == ["report.md", "added"], row  # never "replaced": each user has their own
+        for user, client in clients.items():
+            assert documents(client) == ["report.md", "policy.md (shared)"]
+            _, (chat, _, passages, viewer) = ask(client, QUESTION, model, retriever="bm25", top_k=3)
+            mine, theirs = ("Lille", "Porto") if user == "ann" else ("Porto", "Lille")
+            assert mine in viewer and theirs not in viewer  # the passage the answer rests on is the user's own
+            assert [r[1] for r in passages["data"]] == ["report.md"]
+            assert "reused from the KV store" in text_of(chat[1])  # a different prompt: nothing shared
+            _, (_, _, passages, _) = ask(client, "Which train tickets need a manager's approval?", model,
+                                         retriever="bm25")
+            assert [r[1] for r in passages["data"]] == ["policy.md"]  # the shared collection is searched too
+        ann_dir, bob_dir = (tmp_path / "store" / "users" / u for u in ("ann", "bob"))
+        assert (ann_dir / "uploads" / "report.md").read_text() == REPORTS["ann"]
+        assert (bob_dir / "uploads" / "report.md").read_text() == REPORTS["bob"]
+        _, table, choices = clients["bob"].predict(api_name="/documents")
+        assert [c[1] for c in choices["choices"]] == [table["data"][0][0]]  # only his own can be deleted
+        msg, _, table, _ = clients["bob"].predict(table["data"][0][0], api_name="/delete")
+        assert "Deleted **report.md**" in msg and [r[1] for r in table["data"]] == ["policy.md (shared)"]
+        assert documents(clients["ann"]) == ["report.md", "policy.md (shared)"]
+        assert (ann_dir / "uploads" / "report.md").exists() and LongDocQA(store=shared_dir, model=model).documents()
+    finally:
+        app.close()
+
+
+def test_identical_passages_share_the_prefill_across_users_and_the_timing_line_says_so(tmp_path, tiny_model_dir):
+    model = str(tiny_model_dir("gemma3"))
+    url, qa, app = start_per_user(tmp_path / "store", model)
+    try:
+        lines = {}
+        for user, pw in USERS:  # the same file in two private collections: the same prompt, token for token
+            client = Client(url, auth=(user, pw), verbose=False)
+            upload(client, SAMPLE / "maintenance_log.txt")
+            _, (chat, *_) = ask(client, "On what date was circulation fan No. 2 replaced?", model, retriever="bm25")
+            lines[user] = text_of(chat[1])
+        n = int(re.search(r"/([\d,]+) prompt tokens", lines["ann"]).group(1).replace(",", ""))
+        assert f"0/{n:,} prompt tokens reused from the KV store" in lines["ann"]
+        assert f"{n:,}/{n:,} prompt tokens reused from an identical earlier prompt's prefill" in lines["bob"]
+    finally:
+        app.close()
+
+
+def test_a_prompt_prefilled_for_another_session_is_reported_as_reused(ui):
+    upload(ui.client, SAMPLE / "maintenance_log.txt")
+    q = "On what date was circulation fan No. 2 replaced?"
+    first = text_of(ask(ui.client, q, ui.model, retriever="bm25")[1][0][1])
+    again = text_of(ask(Client(ui.url, verbose=False), q, ui.model, retriever="bm25")[1][0][1])
+    n = int(re.search(r"/([\d,]+) prompt tokens", first).group(1).replace(",", ""))
+    assert f"0/{n:,} prompt tokens reused from the KV store" in first
+    assert f"{n:,}/{n:,} prompt tokens reused from an identical earlier prompt's prefill" in again
+
+
+def test_reuse_text_counts_stored_blocks_and_copied_prefills():
+    from ldqa.app.ui import reuse_text
+
+    assert reuse_text({"prompt_tokens": 90, "tokens_reused": 0, "reused_prefill_ms": 0.0}) == \
+        "0/90 prompt tokens reused from the KV store"
+    assert reuse_text({"prompt_tokens": 90, "tokens_reused": 0, "reused_prefill_ms": 812.0}) == \
+        "90/90 prompt tokens reused from an identical earlier prompt's prefill"
+    assert reuse_text({"prompt_tokens": 90, "tokens_reused": 60, "reused_prefill_ms": 0.0}) == \
+        "60/90 prompt tokens reused from the KV store"
+    debiased = reuse_text({"prompt_tokens": 90, "tokens_reused": 0, "reused_prefill_ms": 812.0, "debias_passes": 2})
+    assert debiased.startswith("0/90 prompt tokens reused from the KV store") and "812 ms of prefill reused" in debiased
+
+
+def test_without_login_replacing_another_sessions_upload_says_so(ui, tmp_path):
+    first, second = Client(ui.url, verbose=False), Client(ui.url, verbose=False)
+    for name, client in (("ann", first), ("bob", second)):
+        f = tmp_path / name / "report.md"
+        f.parent.mkdir()
+        f.write_text(REPORTS[name])
+        [row] = upload(client, f)
+        if name == "ann":
+            assert row[1] == "added" and "another browser session" not in row[3]
+        else:
+            assert row[1] == "replaced" and "replaced the report.md another browser session uploaded" in row[3]
+    (tmp_path / "bob" / "report.md").write_text(REPORTS["bob"] + "\nA second depot opened in April.\n")
+    [row] = upload(second, tmp_path / "bob" / "report.md")  # the same session replacing its own upload
+    assert row[1] == "replaced" and "another browser session" not in row[3]
+
+
+def test_without_login_a_shared_store_is_searched_beside_the_collection(tmp_path, tiny_model_dir):
+    model = str(tiny_model_dir("gemma3"))
+    policy = tmp_path / "policy.md"
+    policy.write_text("# Travel policy\n\nTrain tickets over 300 euros need a manager's approval.\n")
+    LongDocQA(store=tmp_path / "handbook", model=model).ingest([policy])
+    url, qa, app = start(tmp_path / "store", model, shared_stores=[tmp_path / "handbook"])
+    try:
+        client = Client(url, verbose=False)
+        upload(client, SAMPLE / "maintenance_log.txt")
+        assert documents(client) == ["maintenance_log.txt", "policy.md (shared)"]
+        _, (_, _, passages, _) = ask(client, "Which train tickets need a manager's approval?", model, retriever="bm25")
+        assert passages["data"][0][1] == "policy.md"  # the best passage comes from the shared collection
+        assert [Path(d["path"]).name for d in qa.documents()] == ["maintenance_log.txt"]  # uploads stay in --store
+    finally:
+        app.close()
+
+
+def test_per_user_collections_need_a_login(tmp_path, tiny_model_dir):
+    qa = LongDocQA(store=tmp_path / "store" / "shared", model=str(tiny_model_dir("gemma3")))
+    cfg = UIConfig(users_dir=tmp_path / "store" / "users")
+    with pytest.raises(ValueError, match="login"):
+        launch(build_app(qa, cfg), cfg, port=free_port(), block=False)
+
+
+def test_login_over_a_single_user_store_keeps_its_documents_reachable(tmp_path, tiny_model_dir):
+    model = str(tiny_model_dir("gemma3"))
+    root = tmp_path / "store"
+    url, qa, app = start(root, model)  # without login: the one collection, filled through the page
+    try:
+        upload(Client(url, verbose=False), SAMPLE / "maintenance_log.txt")
+    finally:
+        app.close()
+        qa.store.close()
+    url, qa, app = start_per_user(root, model)  # login turned on over it
+    try:
+        client = Client(url, auth=USERS[0], verbose=False)
+        assert documents(client) == ["maintenance_log.txt (shared)"]
+        _, (_, _, passages, viewer) = ask(client, "On what date was circulation fan No. 2 replaced?", model,
+                                          retriever="bm25", top_k=2)
+        assert {r[1] for r in passages["data"]} == {"maintenance_log.txt"} and "KV-FAN-220" in viewer
+        assert (root / "shared" / "uploads" / "maintenance_log.txt").exists() and not (root / "uploads").exists()
     finally:
         app.close()
