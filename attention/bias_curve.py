@@ -13,10 +13,10 @@ attention. With k = 3 and two examples:
 The irrelevant passages are cut from calibration text the caller passes in (`Calibration.texts`: ldqa's
 app gives its bundled sample documents) and the questions are our own (`CALIBRATION_QUESTIONS`). A curve
 is computed once per (model fingerprint, k, attention mode, n_examples, seed) and cached on disk
-(`bias_cache_path`, a JSON file written atomically). Curves of the default model in its default weights
-ship with the package (`BUNDLED`, written by ``python -m ldqa.eval.bundle_bias_curves``): estimating one
-takes 10-60 s on a 2-core CPU (k = 1-5, full attention), which the first debiased question of a new user
-would otherwise pay.
+(`bias_cache_path`, a JSON file written atomically). The default model's curves at the default top_k
+and Gemma 3 270M's at k = 1..10 ship with the package (`BUNDLED`, written by ``python -m
+ldqa.eval.bundle_bias_curves``): estimating one takes 10-60 s for Gemma 3 270M and minutes for Qwen2.5 1.5B
+on a 2-core CPU, which the first debiased question of a new user would otherwise pay.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def load_or_estimate_bias(path: Path, estimate, bundled: Path | None = BUNDLED) 
     shipped = bundled_curves(bundled).get(path.stem) if bundled is not None else None
     if shipped is None:  # the first debiased question then waits for it: say so
         log.warning("estimating the position bias curve %s (once per model, weight format, passage count and "
-                    "attention mode; 10 s to 2 minutes on a small CPU)", path.stem)
+                    "attention mode; 10 s to several minutes on a small CPU, longer for larger models)", path.stem)
     bias = torch.tensor(shipped) if shipped is not None else estimate()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per process: two estimating at once never mix

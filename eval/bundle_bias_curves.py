@@ -1,15 +1,17 @@
-"""Write the bias curves ldqa ships (`ldqa.attention.bias_curve.BUNDLED`): the default model in its default
-weights, full attention (the default mode's debiasing, `calibrate`), k = 1..10 passages (the web app's
-top_k range), so a new user's first debiased question does not spend 10-60 s estimating one.
+"""Write the bias curves ldqa ships (`ldqa.attention.bias_curve.BUNDLED`), so a new user's first debiased
+question does not spend its estimate (10-60 s for Gemma 3 270M, 2.5-4 minutes for Qwen2.5 1.5B at k = 5 on
+this 2-core machine): the default model in its default weights at the default top_k, full attention and
+block attention (whose default debiasing, `calibrate+reorder`, reads one), and Gemma 3 270M at k = 1..10.
 
-    python -m ldqa.eval.bundle_bias_curves                      # gemma3-270m, q8_0, full, k 1..10
-    python -m ldqa.eval.bundle_bias_curves --weights int8 --modes full,block --k 1-5
+    python -m ldqa.eval.bundle_bias_curves --modes block,full --k 5       # the default model
+    python -m ldqa.eval.bundle_bias_curves --model gemma3-270m --modes full,block --k 1-10
 
 Each curve is `LongDocQA.bias_curve` (found-in-the-middle calibration on the bundled sample, the same
 computation a user's machine would do; taken from this machine's cache when there) and is stored under
-its cache file's name, which holds the model fingerprint (source sha256 + weight format): a curve is only
-ever used for the exact weights it was measured on. Entries already in the file are kept (rerun with
-other options to add more); the file is rewritten atomically.
+its cache file's name, which holds the model fingerprint (source sha256 + weight format) and the prompt
+layout (`-chat` for a chat template): a curve is only ever used for the exact weights and layout it was
+measured on. Entries already in the file are kept (rerun with other options to add more); the file is
+rewritten atomically.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import time
 from pathlib import Path
 
 from ldqa.attention.bias_curve import BUNDLED
+
+ABOUT = ("position-only attention bias curves (found-in-the-middle calibration) of ldqa's packaged models, by cache "
+         "file name: the default model at the default top_k, Gemma 3 270M at k = 1..10; written by python -m "
+         "ldqa.eval.bundle_bias_curves")
 
 
 def parse_ks(spec: str) -> list[int]:
@@ -65,8 +71,7 @@ def main(argv=None) -> int:
                 print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         qa.store.close()
         qa.kv_store.close()
-    data = {"about": "position-only attention bias curves (found-in-the-middle calibration) of ldqa's default "
-                     "model, by cache file name; written by python -m ldqa.eval.bundle_bias_curves",
+    data = {"about": ABOUT,
             "curves": dict(sorted(curves.items())), "made_with": dict(sorted(made.items()))}
     tmp_out = out.with_suffix(".tmp")
     tmp_out.write_text(json.dumps(data, indent=1) + "\n")

@@ -44,6 +44,18 @@ def test_shipped_curves_are_well_formed():
     assert {m["k"] for m in made.values() if m["attention"] == "full"} >= set(range(1, 11))
 
 
+def test_the_default_model_s_curves_ship_for_the_default_top_k():
+    """The default model at the default top_k needs no estimate, with full attention (--debias calibrate)
+    or block attention (whose default debiasing reads a curve): the demo's second setting is one of them."""
+    from ldqa.app.api import DEFAULT_TOP_K
+    from ldqa.attention.loader import DEFAULT_MODEL, default_weights
+
+    made = json.loads(B.BUNDLED.read_text())["made_with"]
+    have = {(m["model"], m["weights"], m["attention"], m["k"]) for m in made.values()}
+    for mode in ("full", "block"):
+        assert (DEFAULT_MODEL, default_weights(), mode, DEFAULT_TOP_K) in have, mode
+
+
 @pytest.mark.slow
 def test_shipped_curves_are_those_of_the_models_they_name_and_match_an_estimate(tmp_path):
     """Each name starts with the fingerprint of the model and weights it says it was measured on, and a
