@@ -28,20 +28,20 @@ RETRIEVERS = ("hybrid", "dense", "bm25")
 _HEAD_KEYS = ("debias", "debias_orders", "debias_calibration", "debias_strength", "block_headers")
 DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collection sets one
 # What `ask`/`stream`/`answer`, `ldqa ask`/`demo` and the web app answer with when the user names nothing:
-# chosen by the defaults study of issue 34 (`python -m ldqa.eval.bench_defaults`, docs/results.md), accuracy
-# first, then time to answer. `ldqa ingest` precomputes KV blocks by default when DEFAULT_ATTENTION is a
+# chosen by the defaults study (`python -m ldqa.eval.bench_defaults`; docs/defaults.md), accuracy first,
+# then time to answer. `ldqa ingest` precomputes KV blocks by default when DEFAULT_ATTENTION is a
 # block mode (`precompute_kv_by_default`).
 DEFAULT_ATTENTION = "full"
 DEFAULT_TOP_K = 5
 # debias=None means the measured best method of the attention mode (`default_debias`): nothing with full
-# attention (the study, complete in session 26: calibrate's mean paired gain +1.7 points, SE 2.5, is not
+# attention (the defaults study: calibrate's mean paired gain +1.7 points, SE 2.5, is not
 # separable from none, F1 -7.0 on essays at top 10, and it costs time), calibrate+reorder in block modes
-# (+4 points over block/none in the study, issue 6), nothing with retrieval attention (cannot be debiased).
+# (+4 points over block/none; docs/attention.md), nothing with retrieval attention (cannot be debiased).
 DEFAULT_DEBIAS = {"full": "none", "block": "calibrate+reorder", "block+recompute": "calibrate+reorder",
                   "retrieval": "none"}
 # `ask` answers ABSTAIN_PHRASE without running the LLM when no retrieved passage reaches this dense cosine
 # similarity (MiniLM): the question is about nothing in the collection. Chosen by
-# `python -m ldqa.eval.bench_abstain --part retrieval` (docs/results.md, issue 31): midway between the
+# `python -m ldqa.eval.bench_abstain --part retrieval` (docs/documents-and-limits.md): midway between the
 # off-topic questions on the bundled sample (at most 0.218) and the lowest answerable ones (0.323 on the
 # sample; no answerable NQ-open question of 200 is below 0.3); higher thresholds catch more NQ questions
 # whose answer was removed (0.4: 41%) but would refuse answerable questions of the sample.
@@ -457,7 +457,7 @@ class LongDocQA:
         "calibrate+reorder" (also move the most relevant passages to the best-attended slots) or "sort"
         (attention sorting); see `ldqa.attention.debias` (not with attention="retrieval"). None (the
         default): the mode's measured best, `default_debias(attention)` ("none" with full attention,
-        "calibrate+reorder" in block modes, "none" with retrieval attention; docs/results.md, issue 34).
+        "calibrate+reorder" in block modes, "none" with retrieval attention; docs/defaults.md).
         debias_orders: passage orders the two calibrate methods measure attention in: 1 (the given
         order) or 2 (also reversed; each passage's calibrated relevance averaged over its two slots);
         default `ldqa.attention.debias.MEASURE_ORDERS` (2 in block modes: one more re-assembly from

@@ -14,9 +14,9 @@ question ends the user turn, followed by the assistant turn's opening.
 
 The wording follows the prompt of "Lost in the Middle" (Liu et al. 2023), with passages numbered so the
 answer can cite them as [n]. Keeping the segments separate is what lets a passage's KV states be computed
-once and reused (issue 3): a passage body's tokens never depend on its neighbours or on its rank; only
-the few header tokens carry the rank-dependent number (in block mode cached as tiny blocks of their own,
-or computed fresh with block_headers="fresh"). The segments are `ldqa.attention.segments.PromptSegments`,
+once and reused (block attention, docs/attention.md): a passage body's tokens never depend on its
+neighbours or on its rank; only the few header tokens carry the rank-dependent number (in block mode
+cached as tiny blocks of their own, or computed fresh with block_headers="fresh"). The segments are `ldqa.attention.segments.PromptSegments`,
 the runtime's contract; this module only words them.
 """
 
@@ -30,8 +30,9 @@ INSTRUCTION = (
 )
 # What an answer says when the passages do not hold the answer (FRAMED_INSTRUCTION asks for it)
 ABSTAIN_PHRASE = "Not found in the documents."
-# The instruction with the passages framed as quoted data and an abstention path (issue 31, item 9);
-# measured against INSTRUCTION by `python -m ldqa.eval.bench_abstain`
+# The instruction with the passages framed as quoted data (their text is data, not instructions) and an
+# abstention path (docs/documents-and-limits.md); measured against INSTRUCTION by
+# `python -m ldqa.eval.bench_abstain`
 FRAMED_INSTRUCTION = (
     "Write a high-quality answer for the given question using only the provided search results "
     "(some of which might be irrelevant). Cite the passages you use as [n]. The search results are quoted "

@@ -1,4 +1,4 @@
-"""Position debiasing for multi-passage prompts (issue 6).
+"""Position debiasing for multi-passage prompts (docs/attention.md#position-debiasing).
 
 Sources:
 - Lost in the Middle (Liu et al. 2023): accuracy is U-shaped in the position of the relevant passage.
@@ -27,7 +27,7 @@ Methods (`METHODS`):
 - Both calibrate methods can measure twice (`orders=2`, the default in block modes, `MEASURE_ORDERS`):
   in the given order and in the reversed order, r_p averaged over p's two slots (`two_order_relevance`),
   so no passage is judged only at a slot where a - b ranks poorly (block mode, 60 held-out NQ questions:
-  gold ranked first at slot 1 0.88 -> 0.95; docs/results.md, issue 6, session 9). Averaging over
+  gold ranked first at slot 1 0.88 -> 0.95; docs/results.md). Averaging over
   orders is the idea of permutation self-consistency (Tang et al. 2023, "Found in the Middle:
   Permutation Self-Consistency Improves Listwise Ranking in Large Language Models", sec. 2).
 - Both calibrate methods can calibrate in three forms (`CALIBRATION_FORMS`, default per attention mode
@@ -37,11 +37,10 @@ Methods (`METHODS`):
   with b_s: the relevant passage's calibrated relevance, and so its intervention weight, is larger
   where the bias is large (with two orders: at both ends) and the answers follow that U; a / b gives it
   the same weight at every slot (`STRENGTH` per form, the API's default `debias_strength`;
-  docs/results.md, issue 6, session 11). With one
-  order and full attention's U-shaped bias, a / b over-corrects the last slot; the Pearson residual,
-  between the two (it scales with sqrt(b_s)), gives the gold passage the flattest weight across slots
-  on held-out questions' recorded attention (docs/results.md, issue 6, session 12), but the answers
-  follow it only in part (full, 20 passages, 200 questions: spread 10.0 -> 8.5 points; session 13).
+  docs/results.md). With one order and full attention's U-shaped bias, a / b over-corrects the last
+  slot; the Pearson residual, between the two (it scales with sqrt(b_s)), gives the gold passage the
+  flattest weight across slots on held-out questions' recorded attention (docs/results.md), but the
+  answers follow it only in part (full, 20 passages, 200 questions: spread 10.0 -> 8.5 points).
 - "sort": attention sorting, `DebiasConfig.sort_rounds` rounds (default `SORT_ROUNDS`): order passages
   by observed mass, ascending (most attended last), rebuild the context, measure again.
 - "buckets": Attention Buckets (Chen et al. 2023, "Fortify the Shortest Stave in Attention", sec. 3):
@@ -83,20 +82,20 @@ METHODS = ("none", "calibrate", "calibrate+reorder", "sort", "buckets")
 # smaller bases (x 0.002-0.01 of Gemma 3's 1e6) do fill each other's troughs (each puts the global layers'
 # attention in a band of token distance), but on 14 NQ questions (20 passages) those branches answered by
 # restating the question (25 of 42 answers) and 2 of 42 were right against 4 with no debiasing
-# (docs/results.md, issue 6, session 14).
+# (docs/results.md).
 BUCKET_SCALES = (1.0, 0.5, 2.0)
 # Passage orders the calibrate methods measure, per attention mode (1: the given order; 2: also the
 # reversed one). Block modes re-assemble stored blocks for the second (a few hundred ms at 10 passages);
 # full attention would pay a second prefill (~6 s at 10 passages on a CPU core) and meets the spread target
-# with one order (docs/results.md, issue 6).
+# with one order (docs/results.md).
 MEASURE_ORDERS = {"full": 1, "block": 2, "block+recompute": 2}
 # How the calibrate methods turn measured mass a and bias b into relevance (`calibrated_relevance`), per
 # attention mode: "difference" (a - b, found-in-the-middle) or "ratio" (a / b). Block: "ratio" (block
 # calibrate+reorder, 200 NQ questions, spread 8.0 -> 3.5 points at 20 passages, 4.0 -> 3.0 at 10;
 # block+recompute follows block, unmeasured). Full: "difference" (with one order and full attention's
-# U-shaped bias, a / b over-corrects the last slot: 65 questions, spread 13.8 -> 20.0; docs/results.md,
-# issue 6, session 11; "pearson", (a - b) / sqrt(b): 200 questions, spread 10.0 -> 8.5, EM +0.6 points
-# (SE 0.7), not enough to change the default; session 13).
+# U-shaped bias, a / b over-corrects the last slot: 65 questions, spread 13.8 -> 20.0; docs/results.md;
+# "pearson", (a - b) / sqrt(b): 200 questions, spread 10.0 -> 8.5, EM +0.6 points (SE 0.7), not enough to
+# change the default).
 CALIBRATION_FORMS = ("difference", "ratio", "pearson")
 CALIBRATION = {"full": "difference", "block": "ratio", "block+recompute": "ratio"}
 # The intervention's strength per calibration form (`log_weights`). "ratio": 1.2 gives the gold passage

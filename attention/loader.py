@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 CACHE_FORMAT = 2  # v2: config/tokenizer per GGUF, weights per format (v1 held one fp32 model.safetensors)
 # the application default (LongDocQA, CLI, eval; load_model itself defaults to fp32), chosen by measurement
-# (docs/results.md, issue 30): a GGUF model's own blocks (gguf: fp32's very weights, decode as fast as
+# (docs/models.md#weight-formats): a GGUF model's own blocks (gguf: fp32's very weights, decode as fast as
 # q8_0 or faster), q8_0 for a Hugging Face directory (which has no blocks); FALLBACK_WEIGHTS where the C
 # kernel both need cannot be built
 DEFAULT_WEIGHTS = "gguf"

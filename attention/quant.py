@@ -21,7 +21,7 @@ weight-only matmul and returns the result in the input's dtype.
   dequantized bf16 GEMM for prefill rows; no aten or torchao op reads group-wise int8 on the CPU, and the
   packed int8 op is what held decode to 0.46x llama.cpp's.
 
-- gguf: a GGUF file's own quantized blocks, as shipped (issue 30): every matrix stored in a block type the
+- gguf: a GGUF file's own quantized blocks, as shipped (docs/models.md#weight-formats): every matrix stored in a block type the
   kernel reads (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K; `ldqa.kernels.cpu_linear.GGUF_BLOCK_TYPES`) keeps its
   bytes, so the model computes with exactly the file's weights (the fp32 reference's, which dequantizes the
   same bytes) and decode reads 4.5-6.6 bits per weight instead of q8_0's 8.5; Q8_0 tensors are q8_0 (the
@@ -372,9 +372,9 @@ class FusedDecode:
     parallel loop, the activation, down_proj). Attention itself stays
     `Attention.attend` (KV cache, masks, the global layers' hooks), so every attention mode runs unchanged.
 
-    Why: a decode step of Gemma 3 270M ran ~1,900 small torch ops (~100 per layer, a few µs each) around
-    its matmuls, and 7 kernel calls per layer; this makes it 2 calls + attention's ops (docs/results.md,
-    issue 30). The arithmetic is the modules' (same formulas, fp32), not bit-identical: sums run in
+    Why: a decode step of Gemma 3 270M through the modules runs ~1,900 small torch ops (~100 per layer, a few
+    µs each) around its matmuls, and 7 kernel calls per layer; this makes it 2 calls + attention's ops
+    (docs/results.md). The arithmetic is the modules' (same formulas, fp32), not bit-identical: sums run in
     another order (tests/test_cpu_linear.py bounds the difference; greedy text compared in docs/results.md).
 
     It reads the modules' own weight buffers (held once; prefill uses the modules). It takes

@@ -1,4 +1,4 @@
-"""Retrieval attention for decoding over long contexts (issue 5).
+"""Retrieval attention for decoding over long contexts (docs/attention.md).
 
 Source: RetrievalAttention (Liu et al. 2024), sections 3-4: each decode step attends exactly to a static
 set (the attention sink and the recent window) plus the top-k keys that a vector index over the cached
@@ -29,7 +29,7 @@ Step carry-over (`follow`): the previous step's best `follow` retrieved slots an
 the token after the one they attended to a step before; these keys are out of distribution for the
 question's queries the aware index is built from, and on the key-value retrieval task the index alone
 missed the exact top-1 key (a copied value's token, carrying up to half the attention mass) in 13 of
-64 copy steps; with follow = 8 in 5 (6 recorded examples; docs/results.md, issue 5).
+64 copy steps; with follow = 8 in 5 (6 recorded examples; docs/results.md).
 
 Only layers with global attention use it (every layer of SmolLM2; Gemma 3's global layers, whose local
 layers keep their sliding window). The policy (what is indexed, what is retrieved) is `RetrievalKV`; the

@@ -1,10 +1,10 @@
 """How many threads a decode step runs on, chosen by measurement while decoding.
 
 Why: a decode step of a small model is ~80 short parallel regions (the C kernel's matmuls, attention),
-each ending in a barrier. On an idle machine two threads decode ~25% faster than one (docs/results.md,
-issue 30). When another process occupies one of the cores, every barrier waits for the thread the OS has
+each ending in a barrier. On an idle machine two threads decode ~25% faster than one (docs/results.md).
+When another process occupies one of the cores, every barrier waits for the thread the OS has
 descheduled: a fresh-clone check measured 0.8-1.4 tokens/s with torch's default two threads against 30-44
-with one (session 26). No setting is right for both machines, and the load changes while ldqa runs.
+with one. No setting is right for both machines, and the load changes while ldqa runs.
 
 `DecodeThreads` measures it: it starts on one thread, probes the other count (the most, or 1) for a few
 steps after `first_probe` steps and then every `probe_every` steps, and keeps the count whose recent steps
@@ -159,7 +159,7 @@ class prefill_on:
 
     Why: a prefill's few long GEMMs suffer from a descheduled thread as decode's short regions do, if less:
     Gemma 3 270M gguf, 1,416 tokens, 2.1 s on two threads against 3.4 s on one on an idle machine, 6.0 s
-    against 3.6 s next to a busy core (docs/results.md, issue 30, session 29). The prefill's results do not
+    against 3.6 s next to a busy core (docs/results.md). The prefill's results do not
     depend on the count there (the same logits and KV cache bit for bit at 1 and 2 threads, gguf and fp32),
     so switching between layers changes nothing but time.
     """

@@ -3,8 +3,8 @@
     python -m ldqa.eval.api_snapshot record --model gemma3-270m --out docs/data/api-snapshot-gemma3-270m.json
     python -m ldqa.eval.api_snapshot check docs/data/api-snapshot-gemma3-270m.json
 
-Greedy decoding is deterministic, so a change that only moves code (issue 32: the attention orchestration
-out of `app/api.py`) must give the same answers. For the bundled sample (ingested into a fresh temporary
+Greedy decoding is deterministic, so a change that only moves code (a refactor of the attention
+orchestration, the API or the loader) must give the same answers. For the bundled sample (ingested into a fresh temporary
 store) and the first `--questions` of its questions, every combination of `MODES` is asked once, in a
 fixed order (the KV block store warms up the same way each time), with one torch thread (reductions then
 run in one order); per answer the snapshot keeps the text, the citations (n, chunk id, method, answer

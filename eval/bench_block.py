@@ -1,4 +1,4 @@
-"""Block-reusable KV states vs full attention, same model, same prompts, one process (issue 3).
+"""Block-reusable KV states vs full attention, same model, same prompts, one process (docs/attention.md).
 
 Two parts, each selectable:
   ttft      TTFT of full prefill vs block reuse with a cold store vs a warm store (and block+recompute,

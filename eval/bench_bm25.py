@@ -9,7 +9,7 @@ SQLite FTS5 tables, each searched with its own query rewriting, for the same see
 - ``search_text`` (store schema 2, the product): the same tokenizer over `search_text` (NFKC, CJK runs as
   character bigrams) with `indexes.store.fts_query`;
 - ``trigram``: FTS5's ``trigram`` tokenizer over the text; each question word of 3+ characters as a
-  quoted substring, OR'ed (the alternative the issue names; it cannot match a query term shorter than
+  quoted substring, OR'ed (SQLite's built-in alternative for CJK; it cannot match a query term shorter than
   three characters, which is most Chinese words).
 Per variant: recall@1/5/10 of the gold passage (a byte-identical duplicate of it counts), index build
 time and median query time. The same numbers as `bench_nq`'s BM25 row up to chunking (a few passages

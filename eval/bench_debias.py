@@ -1,4 +1,4 @@
-"""Position debiasing vs none, by gold position (issue 6). Same model, same prompts, one process.
+"""Position debiasing vs none, by gold position (docs/attention.md#position-debiasing). Same model, same prompts, one process.
 
 NQ-open multi-doc (eval/nq.py: the gold passage plus distractors = other questions' gold passages that
 contain no answer string, seeded), k passages with the gold one at each position in --positions, for
@@ -184,7 +184,7 @@ def paired(done: dict, idx: list[int], pos: int, mode: str, method: str) -> dict
 
 
 def targets(t: dict, base: dict, positions: list[int]) -> dict:
-    """Issue 6's targets for one method: best-worst gold position spread <= 5 points; every middle
+    """The debiasing targets for one method: best-worst gold position spread <= 5 points; every middle
     position (not first or last) >= +10 points over "none"; position 1 not worse than "none" by more than
     1 point. Each: the measured value and whether it is met (None when a cell is missing)."""
     vs = t["vs_none"]

@@ -1,4 +1,4 @@
-"""The defaults study (issue 34): which attention mode and debias method ldqa should answer with when the
+"""The defaults study (docs/defaults.md): which attention mode and debias method ldqa should answer with when the
 user names none, chosen by measurement (accuracy first, then time to answer).
 
 Every configuration in `CONFIGS` (attention/debias) is run through the eval harness (`ldqa.eval.harness`,

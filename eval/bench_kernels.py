@@ -238,7 +238,7 @@ def _peak_bandwidth(cfg: BenchConfig, override: float | None) -> float | None:
 
 
 def _targets(res: dict, smoke: bool) -> dict:
-    """The issue's three targets, evaluated on the longest measured sequence."""
+    """The three targets of the module docstring, evaluated on the longest measured sequence."""
     dense = res["prefill_causal"][-1]
     sp90 = [r for r in res["prefill_block_sparse"] if r["masked_fraction_target"] == 0.9]
     dec = res["decode"][-1]

@@ -1,4 +1,4 @@
-"""Baseline of the main job on real input (issue 2): NQ-open gold passages as one collection.
+"""Baseline of the main job on real input (numbers in docs/results.md): NQ-open gold passages as one collection.
 
 Protocol (all through the public Python API):
 1. Write each of the 2,655 gold passages of `nq-open-oracle.jsonl.gz` as one Markdown document

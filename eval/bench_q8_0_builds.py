@@ -9,7 +9,7 @@ Each `--build TAG=SOURCE[:FLAGS]` compiles SOURCE (a q8_0.c beside its decode_at
 directory. Shapes: `MxNxK` is `ldqa_q8_0_linear` on random Q8_0 weights (matrices under 50 MB are cycled
 through ~200 MB of copies, so they are read from memory as in a decode step); `layers` is 18 Gemma 3 270M
 layers' fused decode calls (`ldqa_decode_attn_in` + `ldqa_decode_attn_out`, no attention; the weight-matrix
-API of session 26: builds of older revisions run the linear shapes only). Every repetition
+API of `gguf_blocks.h`: builds of revisions without it run the linear shapes only). Every repetition
 runs every build once, in a shuffled order. Printed per build: median ms, min ms, the median over
 repetitions of (build / first build) in the same repetition (paired: a machine's slow spells hit both),
 the largest difference of its output from the first build's (relative to the output's largest value),
@@ -42,7 +42,7 @@ def _sources(spec: str, tmp: Path, tag: str) -> Path:
     out.mkdir()
     for f in KERNEL_FILES:
         res = subprocess.run(["git", "show", f"{rev}:kernels/{f}"], cwd=ROOT, capture_output=True, text=True)
-        if res.returncode == 0:  # gguf_blocks.h exists from session 26 on
+        if res.returncode == 0:  # a file missing at `rev` (gguf_blocks.h) is left out
             (out / f).write_text(res.stdout)
     return out / "q8_0.c"
 

@@ -1,5 +1,5 @@
 """Retrieval attention vs full attention while decoding, same model, same prefilled cache, one process
-(issue 5).
+(docs/attention.md).
 
 Parts (each selectable with --part):
   decode  contexts of --sizes tokens of essay text (../shared/data/pg-essays) plus a question; one exact

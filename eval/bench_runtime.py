@@ -101,8 +101,8 @@ def kv_read_bytes(cfg, n: int, elem_bytes: int) -> int:
 
 # --------------------------------------------------------------------------- engines
 class LdqaEngine:
-    """ldqa in one weight format. `spec` is a format name, or "q8_0/modules": q8_0 weights decoded the way
-    ldqa did before the fused decode (issue 30, session 24): every layer through its torch modules and
+    """ldqa in one weight format. `spec` is a format name, or "q8_0/modules": q8_0 weights decoded without
+    the fused decode: every layer through its torch modules and
     attention through the torch reference (for a side-by-side of the two paths on the same weights)."""
 
     def __init__(self, name: str, spec: str, group_size: int):

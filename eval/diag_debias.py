@@ -1,4 +1,4 @@
-"""Diagnostics behind the position-debiasing choices (issue 6); not a benchmark of the product's answers.
+"""Diagnostics behind the position-debiasing choices (docs/attention.md); not a benchmark of the product's answers.
 
 rope-scales: the full-attention bias curve (found-in-the-middle calibration, `LongDocQA.bias_curve`) with
   the global layers' RoPE base multiplied by each scale: where each Attention Buckets branch has its

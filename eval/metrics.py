@@ -13,7 +13,7 @@ Reference scripts followed (re-implemented, not copied):
   SQuAD-normalized prediction.
 
 On ordinary English answers the three public functions give exactly the reference numbers. They deviate,
-on purpose, in three documented places (issue 31, item 5):
+on purpose, in three documented places (docs/documents-and-limits.md, "Metrics"):
 
 1. Answers that normalize to nothing. SQuAD's normalization turns "the", "an", "A" and "*" into "", so
    the references score "the" vs "an" as EM 1 (and Lost in the Middle's `"" in prediction` is true for

@@ -1,4 +1,4 @@
-"""ANN indexes over one layer's cached keys, for RetrievalAttention-style decoding (issue 5).
+"""ANN indexes over one layer's cached keys, for RetrievalAttention-style decoding (docs/attention.md).
 
 Source: RetrievalAttention (Liu et al. 2024), section 3: decode queries and cached keys are out of
 distribution for each other, so an index built on the keys alone has to scan many keys to find the ones

@@ -10,8 +10,8 @@ block, w[n, k] = d[n, k // 32] * q[n, k]. Gemma 3's GGUF stores its token embedd
 of the model's bytes) this way, so keeping the layout keeps those weights exactly as shipped.
 
 Why a kernel of our own: for one decode row, PyTorch's packed int8 op (`_weight_int8pack_mm`) reads weights
-at ~6 GB/s on one core of the dev machine, which made int8 decode 0.46x llama.cpp's (docs/results.md, issue
-30); no aten or torchao op reads group-wise int8 on the CPU. The kernel widens the int8 weights to int16
+at ~6 GB/s on one core of the dev machine, which holds int8 decode to 0.46x llama.cpp's (docs/results.md);
+no aten or torchao op reads group-wise int8 on the CPU. The kernel widens the int8 weights to int16
 and multiplies them with the activations rounded to int16 per block of 32 (`madd_epi16`: AVX2 for one row
 of x; 4 rows at a time with AVX-512 where the compiler targets it; the header of `q8_0.c` says what each
 does and what it measured): every block's integer dot product is exact, then scaled once by d_w * d_x in
@@ -467,7 +467,7 @@ class DecodeStack:
     cache, `decode_attention` over cache slots [lo, slot] without a mask, `DecodeLayer.attn_out` -- the same
     C functions in the same order as the per-layer path, so the same numbers bit for bit
     (tests/test_fused_decode.py); what it removes is the Python between them (~0.1 ms a layer, a tenth of
-    Gemma 3 270M's decode step: docs/results.md, issue 30 session 27).
+    Gemma 3 270M's decode step: docs/results.md).
 
     layers: the model's `DecodeLayer`s in order (kept alive); n_heads, n_kv, head_dim as theirs; scale
     multiplies q.k. Needs `available()`.

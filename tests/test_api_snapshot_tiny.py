@@ -1,4 +1,4 @@
-"""The refactor guard on the tiny random-weight Gemma 3 (issue 32): what `LongDocQA.answer` and `ask`
+"""The refactor guard on the tiny random-weight Gemma 3: what `LongDocQA.answer` and `ask`
 return in every attention x debias mode (and with the non-default settings each mode takes) must stay
 what it was when the snapshot was recorded: the text, the citations, the passages' order, the settings
 (keys and values), the timings' keys, and the deterministic timings values (token counts, block-store

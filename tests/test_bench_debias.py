@@ -1,4 +1,4 @@
-"""bench_debias (issue 6): the summary's paired differences and targets, and two processes sharing a run."""
+"""bench_debias: the summary's paired differences and targets, and two processes sharing a run."""
 
 from __future__ import annotations
 

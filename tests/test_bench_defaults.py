@@ -1,4 +1,4 @@
-"""bench_defaults (issue 34): the study's parts are valid harness runs, its summary pairs every configuration
+"""bench_defaults: the study's parts are valid harness runs, its summary pairs every configuration
 with full/none, and the choice rule picks accuracy first, then time to answer."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The eval harness's prediction-cache keys must keep their values for existing settings (issue 32: the
-attention configuration moved into `AttentionConfig`): a changed key would orphan every cached prediction
-behind the numbers in docs/results.md. The literals below were computed before the move."""
+"""The eval harness's prediction-cache keys must keep their values for existing settings, wherever the
+code that computes them moves: a changed key would orphan every cached prediction behind the numbers in
+docs/results.md. The literals below are the recorded keys."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from ldqa.attention.retrieval_attention import RetrievalConfig
 from ldqa.eval.harness import Mode, mode_cache_key
 
-KEYS = {  # Mode(attention, debias, retriever) -> its cache key (before issue 32)
+KEYS = {  # Mode(attention, debias, retriever) -> its recorded cache key
     ("full", "none", None): "full/none@-",
     ("full", "calibrate", None): "full/calibrate@-#30d06a8a3602",
     ("full", "calibrate+reorder", "bm25"): "full/calibrate+reorder@bm25#30d06a8a3602",

@@ -1,4 +1,4 @@
-"""Position debiasing (issue 6): bias-curve determinism, calibration algebra, the attention
+"""Position debiasing: bias-curve determinism, calibration algebra, the attention
 intervention's identity, and reordering that keeps passages and citations right."""
 
 from __future__ import annotations

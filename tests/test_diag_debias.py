@@ -1,4 +1,4 @@
-"""diag_debias (issue 6): the ranking diagnostic's calibrations."""
+"""diag_debias: the ranking diagnostic's calibrations."""
 
 from __future__ import annotations
 

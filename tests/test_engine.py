@@ -1,4 +1,4 @@
-"""The attention engine (issue 32): `AttentionConfig.resolved` as the one place where defaults are filled
+"""The attention engine: `AttentionConfig.resolved` as the one place where defaults are filled
 and combinations checked, and `Engine.context` as the one dispatcher, used directly (no LongDocQA)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fail fast (issue 31, items 6 and 7): an unusable model is refused when it is named (the LongDocQA
+"""Fail fast: an unusable model is refused when it is named (the LongDocQA
 constructor, `ldqa serve` before it listens), with a message naming what was found and what is supported;
 non-finite logits raise instead of giving an empty answer; float16 is refused with the reason.
 

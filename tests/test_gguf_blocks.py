@@ -1,4 +1,4 @@
-"""The gguf weight format (issue 30): the C kernel reading GGUF's quantized blocks as shipped (`gguf_blocks.h`)
+"""The gguf weight format: the C kernel reading GGUF's quantized blocks as shipped (`gguf_blocks.h`)
 against the `gguf` package's dequantization, and the packaged models loaded with their own blocks."""
 
 import ctypes

@@ -1,4 +1,4 @@
-"""Dependencies point one way (issue 32): retrieval <- indexes <- attention <- app <- eval, with the CLI
+"""Dependencies point one way: retrieval <- indexes <- attention <- app <- eval, with the CLI
 and UI as shells over app and eval. Checked by reading every module's imports with `ast` (function-level
 imports included), so a lazy import cannot slip an upward dependency in."""
 

@@ -2,7 +2,7 @@
 
 Part 1: on ordinary English answers the numbers are the reference scripts' (SQuAD v1.1 evaluate-v1.1.py
 `exact_match_score`/`f1_score`, LongBench `qa_f1_score`, Lost in the Middle `best_subspan_em`).
-Part 2: the documented deviations (issue 31, item 5): answers that SQuAD's normalization empties, empty
+Part 2: the documented deviations (docs/documents-and-limits.md, "Metrics"): answers that SQuAD's normalization empties, empty
 predictions, and CJK scored per character.
 """
 

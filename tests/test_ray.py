@@ -1,4 +1,4 @@
-"""ldqa's batch paths on Ray (issue 33, `ldqa.app.ray_workers`, `ldqa.eval.ray_eval`): the same eval rows
+"""ldqa's batch paths on Ray (`ldqa.app.ray_workers`, `ldqa.eval.ray_eval`): the same eval rows
 and the same store with 2 local Ray workers as without Ray, a killed worker's examples re-queued (nothing
 lost or written twice), and the message without Ray. Tiny random-weight Gemma 3 (conftest) and a local Ray
 instance of 2 CPUs."""

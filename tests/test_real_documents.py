@@ -1,4 +1,4 @@
-"""Issue 31: real documents that used to give wrong or missing results silently.
+"""Real documents that must not give wrong or missing results silently.
 
 CJK text in BM25, typographic ligatures, glyphs without a Unicode mapping; made-up inputs of the kind
 public bug reports describe. No test depends on a model answering well.
@@ -112,7 +112,7 @@ def test_schema1_store_is_rebuilt_on_open(tmp_path):
         english = s.bm25_search("budget spring offices", 5)
         n = s.n_chunks()
     _downgrade_to_schema1(tmp_path / "st")
-    with Store(tmp_path / "st", "fake", DIM) as s:  # the old tokenizer: a CJK run is one token
+    with Store(tmp_path / "st", "fake", DIM) as s:  # schema 1's tokenizer: a CJK run is one token
         pass
     conn = sqlite3.connect(tmp_path / "st" / store_mod.DB_NAME)
     assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
@@ -146,7 +146,7 @@ def test_interrupted_rebuild_leaves_the_old_store_intact(tmp_path, monkeypatch):
     cols = {r[1] for r in conn.execute("PRAGMA table_info(chunks)")}
     assert "search_text" not in cols  # nothing half-converted
     assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("1",)
-    # the old index still answers English queries
+    # the schema-1 index still answers English queries
     assert conn.execute("SELECT count(*) FROM chunks_fts WHERE chunks_fts MATCH 'kiln'").fetchone() == (1,)
     conn.close()
     monkeypatch.setattr(store_mod, "search_text", real)

@@ -1,4 +1,4 @@
-"""Retrieval attention (issue 5): exactness with all keys, the zones and their LSE merge, index rebuilds,
+"""Retrieval attention: exactness with all keys, the zones and their LSE merge, index rebuilds,
 and the key indexes' recall."""
 
 from __future__ import annotations
