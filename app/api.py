@@ -427,12 +427,14 @@ class LongDocQA:
             block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
             debias_orders: int | None = None, debias_calibration: str | None = None,
             debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
-            **retrieval) -> Answer:
+            recompute_select: str | tuple[int, ...] | None = None,
+            block_anchors: bool | None = None, **retrieval) -> Answer:
         """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
         return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio, debias,
                            block_headers, instruction, answer_prefix, debias_orders=debias_orders,
                            debias_calibration=debias_calibration, debias_strength=debias_strength,
-                           abstain_below=abstain_below, **retrieval).result()
+                           abstain_below=abstain_below, recompute_select=recompute_select,
+                           block_anchors=block_anchors, **retrieval).result()
 
     def stream(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = "hybrid",
                attention: str = DEFAULT_ATTENTION, max_new_tokens: int | None = None,
@@ -440,14 +442,20 @@ class LongDocQA:
                block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
                debias_orders: int | None = None, debias_calibration: str | None = None,
                debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
-               **retrieval) -> AnswerStream:
+               recompute_select: str | tuple[int, ...] | None = None,
+            block_anchors: bool | None = None, **retrieval) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
         attention: "full" (exact attention over the whole prompt), "block" (each passage's KV states
         computed once, stored and reused, re-positioned by RoPE re-encoding; only the question and the
-        passage headers are cached blocks too, unless block_headers="fresh") or "block+recompute" (block, plus CacheBlend-style
-        recomputation of a `recompute_ratio` fraction of each passage's tokens; default 0.15) or
+        passage headers are cached blocks too, unless block_headers="fresh") or "block+recompute" (block, plus
+        recomputation of a `recompute_ratio` fraction of the passage tokens (default 0.3), chosen by
+        `recompute_select`: "question" (the default: the tokens the question attends to most, over the whole
+        context), "deviation" (CacheBlend, per passage), "lead",
+        or a tuple of passage ranks recomputed whole; `ldqa.attention.block_attention.SELECT_METHODS`;
+        block_anchors=True in block modes encodes a chunk of a long document after its document's first
+        chunk, Star Attention's anchor, default `block_attention.DEFAULT_ANCHORS`) or
         "retrieval" (exact prefill, then each decode step of a global-attention layer attends to the sink,
         the recent window and the top keys an ANN index over the cached keys returns: RetrievalAttention;
         keyword settings `top_k_keys` (an int, or "all" for exact attention), `window`, `sink`, `index`,
@@ -496,7 +504,9 @@ class LongDocQA:
         check_prompt_options(instruction, answer_prefix)
         debias = default_debias(attention) if debias is None else debias
         given = AttentionConfig.from_kwargs(attention, recompute_ratio, block_headers, debias, debias_orders,
-                                            debias_calibration, debias_strength, **retrieval)
+                                            debias_calibration, debias_strength, recompute_select=recompute_select,
+                                            block_anchors=block_anchors,
+                                            **retrieval)
         cfg = given.resolved()
         if abstain_below is not None and (isinstance(abstain_below, bool) or
                                           not isinstance(abstain_below, (int, float)) or not -1 <= abstain_below <= 1):
@@ -522,14 +532,17 @@ class LongDocQA:
                max_new_tokens: int | None = None, recompute_ratio: float | None = None,
                debias: str | None = None, block_headers: str | None = None,
                instruction: str | None = None, answer_prefix: str = "", debias_orders: int | None = None,
-               debias_calibration: str | None = None, debias_strength: float | None = None, **retrieval) -> Answer:
+               debias_calibration: str | None = None, debias_strength: float | None = None,
+               recompute_select: str | tuple[int, ...] | None = None,
+            block_anchors: bool | None = None, **retrieval) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
 
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
         `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
         passages without a chunk_id are stored but not tied to a document. `attention` and the retrieval
         settings, `debias` (None: `default_debias(attention)`), `instruction`, `answer_prefix`,
-        `debias_orders`, `debias_calibration` and `debias_strength` as in `stream`. Raises ValueError (empty question or passages, a bad setting),
+        `debias_orders`, `debias_calibration`, `debias_strength`, `recompute_select` and `block_anchors` as in
+        `stream` (anchors need passages of this collection: a `chunk_id` and `doc_id` it holds). Raises ValueError (empty question or passages, a bad setting),
         NonFiniteLogitsError when the model's logits hold NaN/inf.
         """
         if not isinstance(question, str) or not question.strip():
@@ -540,7 +553,9 @@ class LongDocQA:
 
         debias = default_debias(attention) if debias is None else debias
         cfg = AttentionConfig.from_kwargs(attention, recompute_ratio, block_headers, debias, debias_orders,
-                                          debias_calibration, debias_strength, **retrieval)
+                                          debias_calibration, debias_strength, recompute_select=recompute_select,
+                                            block_anchors=block_anchors,
+                                          **retrieval)
         check_prompt_options(instruction, answer_prefix)
         cfg = cfg.resolved()
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
@@ -548,6 +563,27 @@ class LongDocQA:
         return self._answer_stream(question, passages, cfg, max_new_tokens, 0.0,
                                    {"top_k": len(passages), "retriever": "given"},
                                    _prompt_settings(instruction, answer_prefix), time.perf_counter()).result()
+
+    def _anchored(self, passages: list) -> list:
+        """`passages` with `anchor` set to their document's first chunk where the passage is a later chunk
+        of a document of this collection (same chunk id, document, path and text); others unchanged."""
+        import dataclasses
+
+        ids = [p.chunk_id for p in passages if getattr(p, "chunk_id", None) is not None]
+        rows = {r["id"]: r for r in self.store.get_chunks(ids)}
+        firsts: dict[int, str | None] = {}
+        out = []
+        for p in passages:
+            r = rows.get(getattr(p, "chunk_id", None))
+            if (r is None or r["ordinal"] == 0 or r["doc_id"] != getattr(p, "doc_id", None) or r["text"] != p.text
+                    or not dataclasses.is_dataclass(p) or "anchor" not in {f.name for f in dataclasses.fields(p)}):
+                out.append(p)
+                continue
+            if r["doc_id"] not in firsts:
+                first = self.store.get_chunks(self.store.chunk_ids([r["doc_id"]])[:1])
+                firsts[r["doc_id"]] = first[0]["text"] if first and first[0]["ordinal"] == 0 else None
+            out.append(dataclasses.replace(p, anchor=firsts[r["doc_id"]]))
+        return out
 
     def save_answer_settings(self, max_new_tokens: int) -> dict:
         """Keep `max_new_tokens` with the collection (its store's meta table), so every later
@@ -598,9 +634,12 @@ class LongDocQA:
         settings = {**base, **{k: att[k] for k in _HEAD_KEYS if k in att}, **extra, "attention": cfg.mode,
                     "model": self.model_name, "weights": self.weights, "kv_dtype": self.kv_dtype,
                     "chat_template": "model" if self.chat_format(extra.get("instruction")) else "none",
-                    **{k: att[k] for k in ("retrieval", "recompute_ratio") if k in att}}
+                    **{k: att[k] for k in ("retrieval", "recompute_ratio", "recompute_select", "block_anchors")
+                       if k in att}}
         max_new = max_new or self.max_new_tokens
         passages = self._fit_window(question, passages, max_new, settings)
+        if cfg.block.anchors:
+            passages = self._anchored(passages)
         stream = AnswerStream(iter(()))
         stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings, max_new, t0, cfg)
         return stream
@@ -751,6 +790,7 @@ class Passage:
     start: int = 0
     end: int = 0
     header: str = ""
+    anchor: str | None = None
 
     @classmethod
     def of(cls, obj) -> "Passage":

@@ -113,7 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="block modes: cached (default; each 'Passage [n]' header is a reused block, only the "
                             "question is computed fresh) or fresh (headers computed with the question)")
         p.add_argument("--recompute-ratio", type=float, default=None,
-                       help="fraction of each passage's tokens recomputed in block+recompute (default 0.15)")
+                       help="block+recompute: the fraction of the passage tokens recomputed (default 0.3)")
+        p.add_argument("--recompute-select", choices=["question", "deviation", "lead"], default=None,
+                       help="block+recompute: which tokens are recomputed: question (those the question attends "
+                            "to most, over the whole context), deviation (per passage, those whose keys deviate "
+                            "most from full attention's; CacheBlend) or lead (each passage's first); default: "
+                            "ldqa.attention.block_attention.DEFAULT_SELECT")
+        p.add_argument("--block-anchors", action=argparse.BooleanOptionalAction, default=None,
+                       help="block modes: encode each chunk of a long document after its document's first chunk "
+                            "(Star Attention's anchor; default: ldqa.attention.block_attention.DEFAULT_ANCHORS)")
         p.add_argument("--max-new-tokens", type=int, default=None,
                        help="answer cap in tokens (default: the collection's saved setting, else 64)")
         p.add_argument("--abstain-below", type=float, default=None,
@@ -244,7 +252,8 @@ def cmd_ask(args) -> int:
         saved = qa.save_answer_settings(args.max_new_tokens)
         print(f"ldqa ask: saved {saved} with the collection {qa.store.path}", file=sys.stderr)
     kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
-              max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio, debias=args.debias,
+              max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
+              recompute_select=args.recompute_select, block_anchors=args.block_anchors, debias=args.debias,
               block_headers=args.block_headers, instruction=args.instruction, answer_prefix=args.answer_prefix,
               debias_orders=args.debias_orders, debias_calibration=args.debias_calibration,
               debias_strength=args.debias_strength, **_abstain_kw(args), **_retrieval_kw(args))
@@ -314,7 +323,8 @@ def cmd_demo(args) -> int:
     for q in questions:
         print(f"\n== Q: {q['question']}")
         ans = qa.ask(q["question"], attention=args.attention, recompute_ratio=args.recompute_ratio,
-                     debias=args.debias, block_headers=args.block_headers, debias_orders=args.debias_orders,
+                     recompute_select=args.recompute_select, block_anchors=args.block_anchors, debias=args.debias,
+                     block_headers=args.block_headers, debias_orders=args.debias_orders,
                      debias_calibration=args.debias_calibration, debias_strength=args.debias_strength, **kw)
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok

@@ -80,7 +80,9 @@ def check_prompt_options(instruction, answer_prefix) -> None:
 
 def build_prompt(tokenizer, passages, question: str, instruction: str | None = None,
                  answer_prefix: str = "", chat=None) -> PromptSegments:
-    """Tokenize the prompt for `question` over `passages` (objects with title, text, page).
+    """Tokenize the prompt for `question` over `passages` (objects with title, text, page, and optionally
+    `anchor`: the text of the passage's document's first chunk, the anchor its block is encoded after in
+    block modes, `PromptSegments.anchors`; not part of the prompt).
 
     instruction: the text after BOS (default `INSTRUCTION`); a task-specific instruction (e.g. the
     key-value retrieval task's) changes the shared prefix, and with it the key of every stored block.
@@ -109,14 +111,19 @@ def build_prompt(tokenizer, passages, question: str, instruction: str | None = N
         else:
             q = chat.lead + q
     headers, blocks = [tokenizer.encode(h) for h in header_texts], [tokenizer.encode(b) for b in bodies]
+    anchors = None
+    if any(getattr(p, "anchor", None) for p in passages):  # the documents' starts, in the bodies' layout
+        anchors = [tokenizer.encode(passage_text(p.title, p.anchor, None, "", blank_first))
+                   if getattr(p, "anchor", None) else [] for p in passages]
     if chat is not None:
         chat.check(("".join(h + b for h, b in zip(header_texts, bodies)) + q)[len(chat.lead):])
         question_ids = (tokenizer.encode(q) + tokenizer.encode_control(chat.closing)
                         + tokenizer.encode(answer_prefix.lstrip()))
-        return PromptSegments(tokenizer.encode_control(chat.opening), headers, blocks, question_ids)
+        return PromptSegments(tokenizer.encode_control(chat.opening), headers, blocks, question_ids, anchors)
     text = INSTRUCTION if instruction is None else instruction
     prefix = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(text)
-    return PromptSegments(prefix, headers, blocks, tokenizer.encode(question_text(question, answer_prefix)))
+    return PromptSegments(prefix, headers, blocks, tokenizer.encode(question_text(question, answer_prefix)),
+                          anchors)
 
 
 class PromptTooLongError(ValueError):

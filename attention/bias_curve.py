@@ -139,6 +139,12 @@ def load_or_estimate_bias(path: Path, estimate, bundled: Path | None = BUNDLED) 
 
 def curve_key(attention: str, block_headers: str, theta_scale: float = 1.0, layout: str = "") -> str:
     """The attention-mode part of a curve's cache name: e.g. "full", "block-cached-headers",
-    "full-rope0.5", "full-chat" (`layout`: the prompt layout, "" for the base-model prompt)."""
+    "full-rope0.5", "full-chat" (`layout`: the prompt layout, "" for the base-model prompt);
+    block+recompute's names carry the recipe it is measured with (the default token selection and
+    ratio, e.g. "block+recompute-question0.2-cached-headers"), so a changed default measures anew."""
+    if attention == "block+recompute":
+        from ldqa.attention.block_attention import DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECT
+
+        attention += f"-{DEFAULT_SELECT}{DEFAULT_RECOMPUTE_RATIO:g}"
     key = attention + (f"-{block_headers}-headers" if attention.startswith("block") else "")
     return key + (f"-rope{theta_scale:g}" if theta_scale != 1.0 else "") + (f"-{layout}" if layout else "")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -40,36 +41,71 @@ from ldqa.kernels import dispatch
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RECOMPUTE_RATIO = 0.15
+# block+recompute's default: the question-aware selection (`DEFAULT_SELECT`) at 30% of the passage tokens,
+# the smallest share measured within noise of full attention on the default model (docs/results.md,
+# "Block reuse: where the points go")
+DEFAULT_RECOMPUTE_RATIO = 0.3
 HEADER_MODES = ("cached", "fresh")
 DEFAULT_HEADERS = "cached"
+# How block+recompute chooses the tokens it recomputes (`BlockRuntime._choose`): "question" ranks every
+# passage token by the attention the question's queries give it over the assembled cache and takes the
+# top ratio of the whole context in windows of SELECT_WINDOW tokens (question-aware, as ProphetKV / A^3 /
+# CacheClip, 2025); "deviation" takes the ratio of each passage whose layer-1 keys deviate most from full
+# attention's (CacheBlend, Yao et al. 2025, sec. 4.3); "lead" the first ratio of each passage (header
+# first). A tuple of passage ranks (1-based) recomputes those passages whole, whatever the ratio (with
+# the gold passage's rank: an oracle for diagnostics).
+SELECT_METHODS = ("question", "deviation", "lead")
+DEFAULT_SELECT = "question"
+SELECT_WINDOW = 4
+# Whether block modes encode a chunk of a long document after its document's anchor (its first chunk;
+# `PromptSegments.anchors`, Star Attention) by default
+DEFAULT_ANCHORS = False
+ANCHOR_CACHE = 8  # anchors' KV kept in memory (LRU): the documents of the last few questions
 
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """Block attention's settings. recompute_ratio: the fraction of each passage's tokens recomputed in
-    "block+recompute" (CacheBlend), in [0, 1]; headers: "cached" (each "Passage [n]" header a reused
-    block) or "fresh" (computed with the question). None = the default (`DEFAULT_RECOMPUTE_RATIO`,
-    `DEFAULT_HEADERS`), filled by `resolved`. Raises ValueError for a ratio outside [0, 1] or an unknown
-    header mode."""
+    """Block attention's settings. recompute_ratio: the fraction of the passage tokens recomputed in
+    "block+recompute", in [0, 1]; headers: "cached" (each "Passage [n]" header a reused
+    block) or "fresh" (computed with the question); select: how block+recompute chooses its tokens
+    (`SELECT_METHODS` or a tuple of passage ranks); anchors: encode each chunk of a long document after
+    its document's first chunk (`PromptSegments.anchors`). None = the default (`DEFAULT_RECOMPUTE_RATIO`,
+    `DEFAULT_HEADERS`, `DEFAULT_SELECT`, `DEFAULT_ANCHORS`), filled by `resolved`. Raises ValueError for
+    a ratio outside [0, 1], an unknown header mode or selection."""
 
     recompute_ratio: float | None = None
     headers: str | None = None
+    select: str | tuple[int, ...] | None = None
+    anchors: bool | None = None
 
     def __post_init__(self):
         if self.recompute_ratio is not None and not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
         if self.headers is not None and self.headers not in HEADER_MODES:
             raise ValueError(f"block_headers={self.headers!r}: choose one of {', '.join(HEADER_MODES)}")
+        check_select(self.select)
 
     def resolved(self, mode: str) -> "BlockConfig":
         """The settings attention `mode` runs with: block modes get the default header mode,
-        "block+recompute" the default ratio; other modes use neither (both None)."""
+        "block+recompute" the default ratio and selection; other modes use none of them (all None)."""
         if not mode.startswith("block"):
             return BlockConfig()
-        ratio = (DEFAULT_RECOMPUTE_RATIO if self.recompute_ratio is None else self.recompute_ratio) \
-            if mode == "block+recompute" else None
-        return BlockConfig(ratio, self.headers or DEFAULT_HEADERS)
+        anchors = DEFAULT_ANCHORS if self.anchors is None else bool(self.anchors)
+        if mode != "block+recompute":
+            return BlockConfig(None, self.headers or DEFAULT_HEADERS, None, anchors)
+        ratio = DEFAULT_RECOMPUTE_RATIO if self.recompute_ratio is None else self.recompute_ratio
+        return BlockConfig(ratio, self.headers or DEFAULT_HEADERS, self.select or DEFAULT_SELECT, anchors)
+
+
+def check_select(select) -> None:
+    """Raise ValueError unless `select` is None, one of `SELECT_METHODS` or a non-empty tuple of passage
+    ranks (ints >= 1)."""
+    if select is None or select in SELECT_METHODS:
+        return
+    if isinstance(select, tuple) and select and all(isinstance(r, int) and r >= 1 for r in select):
+        return
+    raise ValueError(f"recompute_select={select!r}: choose one of {', '.join(SELECT_METHODS)}, or give a tuple "
+                     f"of passage ranks (1-based) to recompute whole")
 
 
 @dataclass
@@ -136,6 +172,7 @@ class BlockRuntime:
     check_error: float | None = None  # the self-check's measured error (see `self_check`)
     _prefix: dict = field(default_factory=dict, repr=False)
     _headers: dict = field(default_factory=dict, repr=False)
+    _anchors: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     # ------------------------------------------------------------------ blocks
     def prefix_block(self, prefix_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,11 +185,30 @@ class BlockRuntime:
             self._prefix[key] = cache.block(0, len(prefix_ids))
         return self._prefix[key]
 
-    def encode_block(self, prefix_ids: list[int], body_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block prefill: KV of `body_ids` encoded right after the prefix, positions P..P+n-1, attending to
-        the prefix and to itself only. Returns keys, values (num_layers, kv_heads, n, head_dim)."""
+    def anchor_block(self, prefix_ids: list[int], anchor_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of prefix + anchor at positions 0..P+A-1 (the prefix's own KV, then the anchor encoded after
+        it), kept for the last `ANCHOR_CACHE` anchors: two (num_layers, kv_heads, P + A, head_dim)."""
+        key = (tuple(prefix_ids), tuple(anchor_ids))
+        if key in self._anchors:
+            self._anchors.move_to_end(key)
+            return self._anchors[key]
         pk, pv = self.prefix_block(prefix_ids)
-        p, n = len(prefix_ids), len(body_ids)
+        p, a = len(prefix_ids), len(anchor_ids)
+        cache = self.model.new_cache(capacity=p + a)
+        cache.extend(pk, pv, torch.arange(p))
+        self.model(torch.tensor([anchor_ids]), torch.arange(p, p + a), cache)
+        self._anchors[key] = cache.block(0, p + a)
+        while len(self._anchors) > ANCHOR_CACHE:
+            self._anchors.popitem(last=False)
+        return self._anchors[key]
+
+    def encode_block(self, prefix_ids: list[int], body_ids: list[int], anchor_ids: list[int] = ()
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block prefill: KV of `body_ids` encoded right after the prefix (and `anchor_ids`, when given),
+        positions P(+A)..P(+A)+n-1, attending to those and to itself only. Returns keys, values
+        (num_layers, kv_heads, n, head_dim)."""
+        pk, pv = self.anchor_block(prefix_ids, list(anchor_ids)) if anchor_ids else self.prefix_block(prefix_ids)
+        p, n = pk.shape[2], len(body_ids)
         cache = self.model.new_cache(capacity=p + n)
         cache.extend(pk, pv, torch.arange(p))
         self.model(torch.tensor([body_ids]), torch.arange(p, p + n), cache)
@@ -168,26 +224,29 @@ class BlockRuntime:
         k, v = self._headers[key]
         return k.clone(), v.clone()
 
-    def get_block(self, prefix_ids, body_ids, chunk_id, stats: PrefillStats):
-        """KV of a passage body: from the store (hit) or encoded and stored (miss).
+    def get_block(self, prefix_ids, body_ids, chunk_id, stats: PrefillStats, anchor_ids=()):
+        """KV of a passage body encoded after the prefix (and its document's anchor, when given): from the
+        store (hit) or encoded and stored (miss). The key covers prefix + anchor + body; the block's
+        positions start at len(prefix) + len(anchor).
 
         Returns keys, values (num_layers, kv_heads, n, head_dim) in the model dtype, private copies (safe
         to rotate in place). Updates `stats` (hits, misses, tokens reused/computed, encode_ms).
         """
         dtype = self.model.kv_dtype
         key = None
+        seen = list(prefix_ids) + list(anchor_ids)  # what the body attends to besides itself
         if self.kv_store is not None:
             from ldqa.indexes.kv_store import block_key
 
-            key = block_key(self.fingerprint, prefix_ids, body_ids)
+            key = block_key(self.fingerprint, seen, body_ids)
             hit = self.kv_store.get(key)
-            if hit is not None and hit.n_tokens == len(body_ids) and hit.start == len(prefix_ids):
+            if hit is not None and hit.n_tokens == len(body_ids) and hit.start == len(seen):
                 stats.kv_hits += 1
                 stats.tokens_reused += len(body_ids)
                 return hit.keys.to(dtype, copy=True), hit.values.to(dtype, copy=True)  # rotation never touches the store
         stats.kv_misses += 1
         t0 = time.perf_counter()
-        k, v = self.encode_block(prefix_ids, body_ids)
+        k, v = self.encode_block(prefix_ids, body_ids, anchor_ids)
         stats.encode_ms += (time.perf_counter() - t0) * 1000
         stats.tokens_computed += len(body_ids)
         if not _finite(k, v):  # never store (or use) a block of NaN/inf: every later question would reuse it
@@ -201,7 +260,7 @@ class BlockRuntime:
 
             ks, vs = k.to(self.kv_store.dtype), v.to(self.kv_store.dtype)
             if _finite(ks, vs):
-                self.kv_store.put(key, KVBlock(k, v, len(prefix_ids)), chunk_id=chunk_id)
+                self.kv_store.put(key, KVBlock(k, v, len(seen)), chunk_id=chunk_id)
                 # use the block as a later hit will read it (rounded to the store dtype): an answer is the
                 # same whether its passages were stored before or encoded just now
                 k, v = ks.to(dtype), vs.to(dtype)
@@ -211,13 +270,13 @@ class BlockRuntime:
         return k, v
 
     def encode(self, blocks, on_block=None) -> PrefillStats:
-        """Make sure the KV block of every (prefix ids, body ids, chunk id) in `blocks` is in the store
-        (`get_block`: a hit costs a lookup, a miss an encode and a put), so later questions over them
-        hit. on_block(1) is called after each block (a progress bar). Returns the PrefillStats of the
+        """Make sure the KV block of every (prefix ids, body ids, chunk id[, anchor ids]) in `blocks` is in
+        the store (`get_block`: a hit costs a lookup, a miss an encode and a put), so later questions over
+        them hit. on_block(1) is called after each block (a progress bar). Returns the PrefillStats of the
         lookups (kv_hits, kv_misses, encode_ms, tokens reused/computed)."""
         stats = PrefillStats()
-        for prefix, body, chunk_id in blocks:
-            self.get_block(prefix, body, chunk_id, stats)
+        for prefix, body, chunk_id, *anchor in blocks:
+            self.get_block(prefix, body, chunk_id, stats, anchor[0] if anchor else ())
             if on_block is not None:
                 on_block(1)
         return stats
@@ -225,7 +284,7 @@ class BlockRuntime:
     # ------------------------------------------------------------------ assembly
     def prefill(self, segments, chunk_ids: list[int | None], mode: str = "block",
                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64, policy=None,
-                headers: str = DEFAULT_HEADERS):
+                headers: str = DEFAULT_HEADERS, select: str | tuple[int, ...] = DEFAULT_SELECT):
         """`assemble` plus the question, in the same single pass as the fresh tokens (recomputed tokens,
         fresh headers).
 
@@ -233,26 +292,29 @@ class BlockRuntime:
         queries), left attached. Returns (cache holding the whole prompt, logits of the last prompt token
         (1, 1, vocab), stats).
         """
-        return self._assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, True, policy, headers)
+        return self._assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, True, policy, headers,
+                              select)
 
     def assemble(self, segments, chunk_ids: list[int | None], mode: str = "block",
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64,
-                 headers: str = DEFAULT_HEADERS) -> tuple[KVCache, PrefillStats]:
+                 headers: str = DEFAULT_HEADERS, select: str | tuple[int, ...] = DEFAULT_SELECT
+                 ) -> tuple[KVCache, PrefillStats]:
         """The cache of the passages without the question (see `_assemble`): (cache, PrefillStats); the
         tokens it recomputes (block+recompute, fresh headers) are computed in place. Raises as `_assemble`."""
         cache, _, stats = self._assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, False, None,
-                                         headers)
+                                         headers, select)
         return cache, stats
 
     def _assemble(self, segments, chunk_ids: list[int | None], mode: str, recompute_ratio: float,
-                  extra_capacity: int, with_question: bool, policy, headers: str):
+                  extra_capacity: int, with_question: bool, policy, headers: str,
+                  select: str | tuple[int, ...] = DEFAULT_SELECT):
         """Build the cache [prefix][h1][b1]...[hk][bk] for `segments` (`attention.segments.PromptSegments`),
         ready for the question to be prefilled after it (`with_question`: in the same final pass).
 
         mode "block": bodies from stored blocks, re-encoded to their offsets.
-        mode "block+recompute": also recompute, per passage, the `recompute_ratio` fraction of tokens
-        (header and body) whose layer-1 keys deviate most from full attention (CacheBlend); ratio 1.0
-        reproduces full attention.
+        mode "block+recompute": also recompute the `recompute_ratio` fraction of the passage tokens (headers
+        and bodies) that `select` chooses (`SELECT_METHODS`, `_choose`), or the passages at the ranks of a
+        tuple `select` whole; ratio 1.0 recomputes every passage token and reproduces full attention.
         headers "cached" (default): each rank's header ("Passage [n]") is a tiny block of its own, encoded
         once after the prefix and re-encoded to its offset like a body, so only the question is computed
         fresh (Block-Attention: every block but the last is encoded independently); "fresh": headers are
@@ -262,8 +324,9 @@ class BlockRuntime:
         the question); with recomputation they make no measurable difference (docs/results.md).
         Returns (cache, logits of the last computed token (1, 1, vocab) or None when none was computed,
         PrefillStats); `with_question` appends the question to the final pass (see `prefill`).
-        Raises ValueError on an unknown mode or header mode, or a ratio outside [0, 1].
+        Raises ValueError on an unknown mode, header mode or selection, or a ratio outside [0, 1].
         """
+        check_select(select)
         if mode not in ("block", "block+recompute"):
             raise ValueError(f"assemble: mode must be 'block' or 'block+recompute', got {mode!r}")
         if headers not in HEADER_MODES:
@@ -279,7 +342,8 @@ class BlockRuntime:
         slot_ids = list(prefix)  # token id of every cache slot
         origin = ["prefix"] * len(prefix)  # per slot: prefix, header (cached), hit (stored body), computed
         fresh, spans = [], []  # slots computed in the final pass; (start, end) of each passage (header + body)
-        for header, body, chunk_id in zip(segments.headers, segments.passages, chunk_ids):
+        anchors = segments.anchors or [[] for _ in segments.passages]
+        for header, body, chunk_id, anchor in zip(segments.headers, segments.passages, chunk_ids, anchors):
             at = cache.length
             if headers == "cached":
                 hk, hv = self.header_block(prefix, header)
@@ -290,16 +354,16 @@ class BlockRuntime:
                 fresh += range(at, at + len(header))  # placeholders, computed below
             cache.extend(hk, hv, torch.arange(at, at + len(header)))
             hits = stats.kv_hits
-            k, v = self.get_block(prefix, body, chunk_id, stats)
+            k, v = self.get_block(prefix, body, chunk_id, stats, anchor)
             origin += ["header" if headers == "cached" else "computed"] * len(header)
             origin += ["hit" if stats.kv_hits > hits else "computed"] * len(body)
             start = at + len(header)
-            reencode_keys_(self.model, k, start - len(prefix))  # stored at P.., now at `start`..
+            reencode_keys_(self.model, k, start - len(prefix) - len(anchor))  # stored at P(+A).., now at `start`..
             cache.extend(k, v, torch.arange(start, start + len(body)))
             spans.append((at if headers == "cached" else start, start + len(body)))
             slot_ids += header + body
-        if mode == "block+recompute" and recompute_ratio > 0:
-            chosen = self._select(cache, slot_ids, spans, fresh, recompute_ratio)
+        if mode == "block+recompute" and (recompute_ratio > 0 or isinstance(select, tuple)):
+            chosen = self._choose(select, cache, slot_ids, spans, fresh, recompute_ratio, segments.question)
             stats.tokens_recomputed = len(chosen)
             stats.header_tokens_reused -= sum(1 for i in chosen if origin[i] == "header")
             stats.tokens_reused -= sum(1 for i in chosen if origin[i] == "hit")
@@ -322,6 +386,64 @@ class BlockRuntime:
         slot, (1, 1, vocab)."""
         s = torch.tensor(slots)
         return self.model(torch.tensor([[slot_ids[i] for i in slots]]), cache.positions[s], cache, slots=s)
+
+    def _choose(self, select, cache: KVCache, slot_ids, spans, fresh, ratio: float, question: list[int]) -> list[int]:
+        """The passage slots block+recompute recomputes (sorted): see `SELECT_METHODS`. spans: (start, end)
+        of each passage (header and body) in the cache; fresh: slots computed in the final pass anyway."""
+        if isinstance(select, tuple):
+            return sorted(i for r in select if r <= len(spans) for i in range(*spans[r - 1]))
+        if select == "lead":
+            return [i for a, b in spans for i in range(a, a + int(round(ratio * (b - a))))]
+        if select == "deviation":
+            return self._select(cache, slot_ids, spans, fresh, ratio)
+        return self._select_by_question(cache, slot_ids, spans, fresh, ratio, question)
+
+    def _select_by_question(self, cache: KVCache, slot_ids, spans, fresh, ratio: float, question: list[int],
+                            window: int = SELECT_WINDOW) -> list[int]:
+        """Question-aware selection over the whole context (ProphetKV, A^3, CacheClip, 2025: rank context
+        tokens by the question's attention to them and recompute the top share in contiguous pieces).
+
+        The question (and any fresh header) is run once over the assembled block cache, its queries
+        recorded at the global-attention layers (`debias.DebiasKV`); each passage slot's score is the
+        attention probability the question's tokens give it (mean over those layers, heads and question
+        tokens, `token_mass`). Passages are cut into windows of `window` tokens from their start, a
+        window's score is its slots' sum, and the best windows are taken until round(ratio x passage
+        tokens) slots are chosen (the last window may be cut). Cost: one pass of the question over the
+        cache, plus (question tokens x cache length) scores per global layer.
+        """
+        from ldqa.attention.debias import DebiasKV
+
+        n_total = sum(b - a for a, b in spans)
+        budget = int(round(ratio * n_total))
+        if budget == 0 or len(question) == 0:
+            return []
+        if budget >= n_total:
+            return [i for a, b in spans for i in range(a, b)]
+        length = cache.length
+        q_slots = list(range(length, length + len(question)))
+        k0 = cache.keys(0)  # (1, kv_heads, length, head_dim)
+        zeros = torch.zeros(cache.num_layers, k0.shape[1], len(question), k0.shape[3], dtype=k0.dtype)
+        cache.extend(zeros, zeros.clone(), torch.arange(length, length + len(question)))
+        rec = DebiasKV(n_record=len(question), scale=self.model.cfg.attn_scale)
+        cache.policy = rec
+        try:
+            self._recompute(cache, slot_ids + list(question), sorted(fresh) + q_slots)
+            mass = token_mass(self.model, cache, rec.queries, torch.tensor(q_slots), cache.length)[:length]
+        finally:
+            cache.policy = None
+            cache.truncate(length)
+        windows = []  # (score, start, end)
+        for a, b in spans:
+            for w in range(a, b, window):
+                e = min(w + window, b)
+                windows.append((float(mass[w:e].sum()), w, e))
+        windows.sort(key=lambda t: -t[0])
+        chosen = []
+        for _, w, e in windows:
+            chosen += range(w, min(e, w + budget - len(chosen)))
+            if len(chosen) >= budget:
+                break
+        return sorted(chosen)
 
     def _select(self, cache: KVCache, slot_ids, spans, fresh, ratio: float) -> list[int]:
         """CacheBlend token selection (Yao et al. 2024, sec. 4.3).
@@ -378,6 +500,88 @@ class BlockRuntime:
                                     f"{offset}); block reuse is off, full attention is used")
             log.warning(self.disabled_reason)
         return self.enabled
+
+
+@dataclass(frozen=True)
+class BlockScaling:
+    """APE's attention scaling over reused blocks (Yang et al., ICLR 2025, "APE: Faster and Longer
+    Context-Augmented Generation via Adaptive Parallel Encoding", sec. 4): the question's and the answer's
+    attention scores to passage tokens (the shared prefix and the question itself excluded) are divided
+    by `temperature` and their weights multiplied by `scale` before the softmax normalizes, so
+    score' = score / temperature + log(scale). (1, 1) is plain block attention. Raises ValueError for a
+    temperature or scale <= 0."""
+
+    temperature: float = 1.0
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if not (self.temperature > 0 and self.scale > 0):
+            raise ValueError(f"block scaling needs temperature > 0 and scale > 0, got {self}")
+
+    @property
+    def identity(self) -> bool:
+        return self.temperature == 1.0 and self.scale == 1.0
+
+
+@dataclass
+class ScaledKV:
+    """Attention hook (`kv_cache.AttentionPolicy`) applying a `BlockScaling` in the global layers: queries
+    at positions >= `query_from` (the question, then each answer token) see the keys of cache slots
+    [start, end) (the passages) with score / temperature + log(scale); other queries (recomputed passage
+    tokens) and keys are exact. Computed with einsum in fp32 like `debias.DebiasKV` (no dispatch kernel
+    takes a per-key score transform); (n x L) scores per layer for n query tokens. `inner`: another
+    policy called first for its side effects (e.g. a `DebiasKV` recording the question's queries); its
+    own attention output is not used."""
+
+    scaling: BlockScaling
+    start: int
+    end: int
+    query_from: int
+    attn_scale: float
+    inner: object = None
+
+    def forward(self, layer: int, q, k, v, q_pos, k_pos, slots):
+        """q: (1, hq, n, d); k, v: (1, hkv, L, d); q_pos (n,), k_pos (L,). Returns (1, hq, n, d) or None."""
+        if self.inner is not None:
+            self.inner.forward(layer, q, k, v, q_pos, k_pos, slots)
+        rows = q_pos >= self.query_from  # (n,)
+        if not bool(rows.any()):
+            return None
+        b, hq, n, d = q.shape
+        hkv, L = k.shape[1], k.shape[2]
+        qg = q.float().reshape(b, hkv, hq // hkv, n, d)
+        s = torch.einsum("bhgnd,bhld->bhgnl", qg, k.float()) * self.attn_scale  # (b, hkv, g, n, L)
+        cols = torch.zeros(L, dtype=torch.bool)
+        cols[self.start:min(self.end, L)] = True
+        sel = rows[:, None] & cols[None, :]  # (n, L)
+        t = self.scaling
+        s = torch.where(sel, s / t.temperature + float(torch.log(torch.tensor(t.scale))), s)
+        s = s.masked_fill(~(k_pos[None, :] <= q_pos[:, None]), float("-inf"))
+        out = torch.einsum("bhgnl,bhld->bhgnd", torch.softmax(s, dim=-1), v.float())
+        return out.reshape(b, hq, n, d).to(q.dtype)
+
+
+def token_mass(model, cache: KVCache, queries: dict, q_slots: torch.Tensor, length: int) -> torch.Tensor:
+    """Attention probability per cache slot from recorded queries: (length,) float, the mean over the
+    recorded layers, their query heads and the query tokens of softmax(q k^T * attn_scale) with causal
+    masking by position. queries: layer -> (hq, T, d) the queries of the tokens at cache slots q_slots
+    (T,), after RoPE (`debias.DebiasKV(n_record=T)`); the slots' keys must be in the cache (the scores
+    are against its first `length` slots). Raises ValueError when no query was recorded.
+
+    Computed with einsum, not through `kernels.dispatch`, as `debias.passage_mass` is (it needs the
+    probabilities, which no dispatch kernel returns): (hq, T, length) scores per layer."""
+    if not queries:
+        raise ValueError("token_mass: no recorded queries (the pass had no global-attention layer)")
+    pos = cache.positions[:length]
+    causal = pos[None, :] <= pos[q_slots][:, None]  # (T, L)
+    total = torch.zeros(length)
+    for layer, q in queries.items():
+        keys = cache.keys(layer)[0, :, :length].float()  # (hkv, L, d)
+        hkv, _, d = keys.shape
+        qg = q.view(hkv, -1, q.shape[1], d)  # (hkv, g, T, d)
+        s = torch.einsum("hgtd,hld->hgtl", qg, keys) * model.cfg.attn_scale
+        total += torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).mean(dim=(0, 1, 2))
+    return total / len(queries)
 
 
 def _finite(*tensors: torch.Tensor) -> bool:

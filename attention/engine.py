@@ -64,6 +64,7 @@ class AttentionConfig:
     def from_kwargs(cls, attention: str = "full", recompute_ratio: float | None = None,
                     block_headers: str | None = None, debias: str = "none", debias_orders: int | None = None,
                     debias_calibration: str | None = None, debias_strength: float | None = None,
+                    recompute_select: str | tuple[int, ...] | None = None, block_anchors: bool | None = None,
                     **retrieval) -> "AttentionConfig":
         """The configuration from the API's flat keywords (`LongDocQA.stream`'s): `retrieval` holds
         `RetrievalConfig` fields (None values = not given; top_k_keys="all" = every key). Raises
@@ -71,7 +72,9 @@ class AttentionConfig:
         with another attention mode (the checks of `resolved` come on top)."""
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
-        block = BlockConfig(recompute_ratio, block_headers)
+        if block_anchors is not None and not isinstance(block_anchors, bool):
+            raise ValueError(f"block_anchors must be True, False or None, got {block_anchors!r}")
+        block = BlockConfig(recompute_ratio, block_headers, recompute_select, block_anchors)
         given = {k: v for k, v in retrieval.items() if v is not None}  # None = not given: the default
         rcfg = None
         if attention != "retrieval":
@@ -107,17 +110,22 @@ class AttentionConfig:
         """The public settings keys of a resolved configuration, as `Answer.settings` shows them:
         "debias", with the calibrate methods "debias_orders", "debias_calibration", "debias_strength",
         in block modes "block_headers", with "retrieval" its `RetrievalConfig` as a dict, in
-        "block+recompute" "recompute_ratio"."""
+        "block+recompute" "recompute_ratio" and "recompute_select", in block modes "block_anchors"."""
         d = self.debias
         out = {"debias": d.method}
         if d.calibrates:
             out |= {"debias_orders": d.orders, "debias_calibration": d.calibration, "debias_strength": d.strength}
         if self.block.headers is not None:
             out["block_headers"] = self.block.headers
+        if self.block.anchors is not None:
+            out["block_anchors"] = self.block.anchors
         if self.retrieval is not None:
             out["retrieval"] = asdict(self.retrieval)
         if self.block.recompute_ratio is not None:
             out["recompute_ratio"] = self.block.recompute_ratio
+        if self.block.select is not None:
+            out["recompute_select"] = (self.block.select if isinstance(self.block.select, str)
+                                       else list(self.block.select))
         return out
 
 
@@ -224,12 +232,12 @@ class Engine:
             return exact_prefill(model, self.llm.fingerprint, prompt, max_new, theta_scale, memo=self.memo)
         if mode in ("full", "retrieval"):
             return policy_prefill(model, prompt, max_new, policy)
-        from ldqa.attention.block_attention import DEFAULT_HEADERS
+        from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_SELECT
 
         cache, logits, stats = self.block_runtime.prefill(
             prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
             recompute_ratio=block.recompute_ratio or 0.0, extra_capacity=max_new + CAPACITY_SLACK,
-            policy=policy, headers=block.headers or DEFAULT_HEADERS)
+            policy=policy, headers=block.headers or DEFAULT_HEADERS, select=block.select or DEFAULT_SELECT)
         return Context(prompt, cache, logits, stats)
 
     def measure(self, passages: list, build, mode: str, block: BlockConfig, max_new: int, theta_scale: float = 1.0):

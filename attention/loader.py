@@ -585,7 +585,7 @@ def _ensure_weights(src: _Source, weights: str, group_size: int) -> Path:
         except Exception as e:  # truncated or corrupt: rebuild from the source
             log.warning("cached weights %s are unreadable (%s); rebuilding them from %s", path, e, src.path)
     log.warning("converting %s to weight format %r and caching it in %s (once; about a minute for a "
-                "270M-parameter model)", src.path.name, weights, path.parent)
+                "270M-parameter model, more for a larger one)", src.path.name, weights, path.parent)
     state = {f"{name}::{k}": v.contiguous() for name, t in _convert(src, weights, group_size).items()
              for k, v in t.items()}
     path.parent.mkdir(parents=True, exist_ok=True)

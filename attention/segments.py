@@ -22,12 +22,16 @@ from dataclasses import dataclass
 @dataclass
 class PromptSegments:
     """Token ids of the prompt's parts: prefix (BOS + instruction), per passage a header ("Passage [n]")
-    and a body (title, page, text), then the question."""
+    and a body (title, page, text), then the question. anchors: per passage the ids of its document's
+    anchor ([] for none), or None: in block modes a body is encoded after prefix + anchor (Star Attention,
+    Acharya et al. 2024, sec. 2.1: each chunk of a long document sees the document's start), while the
+    anchor itself is not part of the prompt (`ids`)."""
 
     prefix: list[int]
     headers: list[list[int]]
     passages: list[list[int]]
     question: list[int]
+    anchors: list[list[int]] | None = None
 
     def ids(self) -> list[int]:
         """The whole prompt, in order: prefix, header 1, body 1, ..., header k, body k, question."""

@@ -140,6 +140,11 @@ class EvalConfig:
         None: ldqa's default `ABSTAIN_BELOW`).
     chat_template : "auto" (an instruct model is prompted through its chat template) or "none" (`LongDocQA`);
         with a template, its rendered text is part of `settings_hash`.
+    recompute_ratio, recompute_select : block+recompute's share of recomputed passage tokens and how they
+        are chosen (`block_attention.SELECT_METHODS`, or "oracle": nq-multidoc's gold passage whole);
+        None = the defaults.
+    block_anchors : block modes encode a chunk of a long document after its document's first chunk
+        (jsonl with a retriever: the chunks of a record's collection).
     """
 
     benchmark: str
@@ -162,6 +167,8 @@ class EvalConfig:
     passage_tokens: int = 512
     niah_config: str | None = None
     recompute_ratio: float | None = None
+    recompute_select: str | None = None
+    block_anchors: bool = False
     progress: bool = True
     max_length: int | None = None
     ray: str | None = None
@@ -305,6 +312,8 @@ def _validate(cfg: EvalConfig) -> list[Mode]:
         raise ValueError(f"--depths {cfg.depths}: percentages must be in 0..100")
     _ints(cfg.lengths, "--lengths")
     gold_positions(cfg.gold_positions, cfg.n_passages)
+    if cfg.recompute_select == "oracle" and cfg.benchmark != "nq-multidoc":
+        raise ValueError("--recompute-select oracle needs the gold passage's position: use it with nq-multidoc")
     from ldqa.app.ray_workers import check_options
 
     check_options(cfg.ray, cfg.workers, cfg.threads_per_worker)
@@ -647,6 +656,23 @@ class HFReference:
         return (split_citations(text)[0] if chat is not None else text), timings
 
 
+def _recompute_kw(cfg: EvalConfig, mode: Mode, ex: dict) -> dict:
+    """Block modes' keywords for `LongDocQA.answer`/`ask`: --block-anchors, and in block+recompute
+    --recompute-ratio, --recompute-select ("oracle": the example's gold passage recomputed whole,
+    nq-multidoc only); {} for other modes."""
+    if not mode.attention.startswith("block"):
+        return {}
+    kw = {"block_anchors": True} if cfg.block_anchors else {}
+    if mode.attention != "block+recompute":
+        return kw
+    kw["recompute_ratio"] = cfg.recompute_ratio
+    if cfg.recompute_select == "oracle":
+        kw["recompute_select"] = (ex["gold_position"],)
+    elif cfg.recompute_select is not None:
+        kw["recompute_select"] = cfg.recompute_select
+    return kw
+
+
 def retrieve_for(qa, cfg: EvalConfig, ex: dict, mode: Mode) -> dict:
     """The retrieval benchmark's example `ex` with its passages retrieved for `mode`: a copy with
     "passages" (the top ``cfg.top_k``) and "retrieved" (`rank_metrics` of the top 10 and retrieval_ms).
@@ -681,7 +707,7 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
         elif mode.attention == "hf":
             text, t = hf.answer(ex["question"], passages, max_new, **prompt, chat=qa.chat_format(prompt["instruction"]))
         else:
-            kw = {"recompute_ratio": cfg.recompute_ratio} if mode.attention == "block+recompute" else {}
+            kw = _recompute_kw(cfg, mode, ex)
             try:
                 ans = qa.answer(ex["question"], passages, attention=mode.attention, max_new_tokens=max_new,
                                 debias=mode.debias, **prompt, **kw)
@@ -832,7 +858,7 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
     from ldqa.eval.metrics import answer_in_passages
 
     row, error, text, t, warm, used, passages = {}, None, "", {}, None, mode.attention, []
-    kw = {"recompute_ratio": cfg.recompute_ratio} if mode.attention == "block+recompute" else {}
+    kw = _recompute_kw(cfg, mode, ex)
     ask = dict(top_k=cfg.top_k, retriever=mode.retriever, attention=mode.attention, max_new_tokens=max_new,
                debias=mode.debias, abstain_below=collection_settings(cfg)["abstain_below"], **kw)
     item = None
@@ -920,7 +946,7 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int, chat=None) ->
            cfg.top_k, cfg.passage_tokens, niah, cfg.recompute_ratio]
     if cfg.benchmark == "kv-retrieval":  # the task's own prompt (added after the first kv runs: new hash)
         key.append([KV_INSTRUCTION, KV_ANSWER_PREFIX])
-    if cfg.max_length is not None:  # (added later: unset keeps the earlier hashes)
+    if cfg.max_length is not None:  # (unset keeps the hashes of runs without it)
         key.append(["max_length", cfg.max_length])
     if chat is not None:  # base-model prompts keep their hashes
         key.append(["chat", chat.opening + chat.lead, chat.closing, list(chat.stop_ids), list(chat.stop_strings)])
@@ -937,21 +963,35 @@ def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None
     collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings(cfg)`
     (chunking, embedder, abstention threshold): its retriever is already in `Mode.key`, --top-k in
     `settings_hash`."""
-    key = _attention_key(m, retrieval_config)
+    key = _attention_key(m, retrieval_config, cfg.recompute_select if cfg is not None else None,
+                         cfg.recompute_ratio if cfg is not None else None)
+    if cfg is not None and cfg.block_anchors and m.attention.startswith("block"):
+        key += "+anchors"
     if m.collection:
         st = collection_settings(cfg)
         key += "+collection#" + hashlib.sha256(json.dumps(st, sort_keys=True).encode()).hexdigest()[:12]
     return key
 
 
-def _attention_key(m: Mode, retrieval_config=None) -> str:
-    """`mode_cache_key` without the collection part."""
+def _attention_key(m: Mode, retrieval_config=None, recompute_select: str | None = None,
+                   recompute_ratio: float | None = None) -> str:
+    """`mode_cache_key` without the collection part; block+recompute adds its recipe,
+    ``+select=NAME@RATIO`` (`recompute_select` and `recompute_ratio`, else the defaults), unless it is
+    CacheBlend's deviation at 0.15, the recipe of the keys without a suffix."""
     if m.attention == "hf":
         return m.key
     from ldqa.attention.engine import AttentionConfig
     from ldqa.attention.debias import DebiasConfig
 
     cfg = AttentionConfig(m.attention, retrieval=retrieval_config, debias=DebiasConfig(m.debias)).resolved()
+    select, ratio = recompute_select or cfg.block.select, cfg.block.recompute_ratio
+    if recompute_ratio is not None:
+        ratio = recompute_ratio
+    plain = m.attention != "block+recompute" or (select == "deviation" and ratio == 0.15)
+    return _debias_or_retrieval_key(m, cfg) + ("" if plain else f"+select={select}@{ratio:g}")
+
+
+def _debias_or_retrieval_key(m: Mode, cfg) -> str:
     d = cfg.debias
     if d.calibrates:
         fields = {"orders": d.orders, "calibration": d.calibration, "strength": d.strength}
@@ -1242,6 +1282,12 @@ def add_arguments(p) -> None:
     p.add_argument("--passage-tokens", type=int, default=512, help="niah, jsonl: tokens per passage of a long text")
     p.add_argument("--niah-config", default=None, help="niah: JSON with needle, question, answers")
     p.add_argument("--recompute-ratio", type=float, default=None, help="block+recompute: fraction recomputed")
+    p.add_argument("--recompute-select", choices=["question", "deviation", "lead", "oracle"], default=None,
+                   help="block+recompute: which tokens are recomputed (ldqa.attention.block_attention."
+                        "SELECT_METHODS; oracle: nq-multidoc's gold passage, whole, for diagnostics)")
+    p.add_argument("--block-anchors", action="store_true",
+                   help="block modes: encode each chunk of a long document after its document's first chunk "
+                        "(Star Attention's anchor; jsonl with --retriever)")
     p.add_argument("--max-length", type=int, default=None,
                    help="jsonl: cut each context's middle (LongBench) so prompt + answer budget fit this many tokens")
     p.add_argument("--chunk-tokens", type=int, default=None,

@@ -23,7 +23,8 @@ class RetrievedPassage:
     dense_rank / bm25_rank: 1-based rank in that candidate list, or None.
     page: 1-based page (None for unpaged sources); start, end: character offsets in the document text
     (text == document text[start:end]); header: the table header rows the chunk's text continues ("" for
-    none), read before the text by the LLM.
+    none), read before the text by the LLM; anchor: the text of the document's first chunk when block
+    attention encodes this chunk after it (set by the answering side, None otherwise).
     """
 
     chunk_id: int
@@ -40,6 +41,7 @@ class RetrievedPassage:
     dense_rank: int | None = None
     bm25_rank: int | None = None
     header: str = ""
+    anchor: str | None = None
 
 
 class Retriever:

@@ -285,3 +285,29 @@ def test_the_prompt_budget_is_checked_before_the_relevance_check(tiny_qa, monkey
     with pytest.raises(PromptTooLongError, match="no room for a passage"):
         tiny_qa.ask("Why?", abstain_below=1.0)
     assert len(searched) == 1
+
+
+def test_block_anchors_encode_a_long_document_s_later_chunks_after_its_first(tiny_qa, tmp_path):
+    doc = tmp_path / "long.md"
+    doc.write_text("# Kiln handbook\n\n" + "\n\n".join(
+        f"Section {i}. The SL-30 kiln setting number {i} is {i * 7} degrees for batch {i}." for i in range(1, 80)),
+        encoding="utf-8")
+    tiny_qa.ingest([doc])
+    hits = tiny_qa.retrieve("What is setting number 61?", top_k=4)
+    rows = {r["id"]: r for r in tiny_qa.store.get_chunks([h.chunk_id for h in hits])}
+    first = tiny_qa.store.get_chunks(tiny_qa.store.chunk_ids()[:1])[0]
+    anchored = tiny_qa._anchored(hits)
+    assert any(rows[p.chunk_id]["ordinal"] > 0 for p in anchored)
+    for p in anchored:
+        assert p.anchor == (None if rows[p.chunk_id]["ordinal"] == 0 else first["text"])
+    q = "What is setting number 61?"
+    on = tiny_qa.ask(q, top_k=4, attention="block", debias="none", block_anchors=True)
+    off = tiny_qa.ask(q, top_k=4, attention="block", debias="none")
+    assert on.settings["block_anchors"] is True and off.settings["block_anchors"] is False
+    n_anchored = sum(p.anchor is not None for p in anchored)
+    assert on.timings["kv_misses"] == 4 and off.timings["kv_misses"] == n_anchored  # anchored blocks: other keys
+    again = tiny_qa.ask(q, top_k=4, attention="block", debias="none", block_anchors=True)
+    assert again.timings["kv_hits"] == 4 and again.text == on.text
+    assert "block_anchors" not in tiny_qa.ask(q, top_k=4, debias="none").settings  # full attention
+    with pytest.raises(ValueError, match="block_anchors"):
+        tiny_qa.ask(q, attention="block", block_anchors="yes")

@@ -31,6 +31,9 @@ QUESTIONS = ["What torque for the fan hub bolts?", "Which error code shows a hum
 # (attention, debias, extra keyword settings): every mode with its defaults, then the non-default knobs
 CASES = [(a, d, {}) for a, d in MODES] + [
     ("block+recompute", "none", {"recompute_ratio": 0.5}),
+    ("block+recompute", "none", {"recompute_select": "deviation", "recompute_ratio": 0.15}),
+    ("block+recompute", "none", {"recompute_select": "lead"}),
+    ("block", "none", {"block_anchors": True}),
     ("block", "none", {"block_headers": "fresh"}),
     ("retrieval", "none", {"top_k_keys": 8, "window": 4}),
     ("retrieval", "none", {"top_k_keys": "all"}),
@@ -73,6 +76,9 @@ def record(model_dir: Path, tmp: Path) -> list[dict]:
         for attention, debias in (("full", "none"), ("block", "calibrate"), ("retrieval", "none")):
             a = qa.ask("How much does the SL-30 Pro model cost?", top_k=3, attention=attention, debias=debias)
             rows.append(_row(a, api="ask", attention=attention, debias=debias, kw={}, question="cost"))
+        a = qa.ask("How much does the SL-30 Pro model cost?", top_k=3, attention="block", debias="none",
+                   block_anchors=True)
+        rows.append(_row(a, api="ask", attention="block", debias="none", kw={"block_anchors": True}, question="cost"))
         a = qa.ask("Who won the football world cup in 1954?", top_k=2, debias="none")  # off-topic: abstains
         rows.append(_row(a, api="ask", attention="full", debias="none", kw={}, question="off-topic"))
         qa.store.close()

@@ -91,13 +91,15 @@ def test_block_mode_differs_from_full_but_keeps_the_prefix_and_question_exact(lm
 
 
 def test_partial_recompute_moves_toward_full_attention(lm):
+    """CacheBlend's deviation selection: the tokens whose keys deviate most, recomputed, move the logits
+    toward full attention's (the question-aware selection optimizes the answer, not this distance)."""
     seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
     rt = BlockRuntime(lm.model, "fp")
     ids, q = seg.ids(), seg.question
     ref = _full_logits(lm, ids)[-1]
     errs = []
     for mode, r in (("block", 0.0), ("block+recompute", 0.5), ("block+recompute", 1.0)):
-        cache, _ = rt.assemble(seg, [None] * 3, mode=mode, recompute_ratio=r)
+        cache, _ = rt.assemble(seg, [None] * 3, mode=mode, recompute_ratio=r, select="deviation")
         out = lm.model(torch.tensor([q]), torch.arange(len(ids) - len(q), len(ids)), cache)[0, -1]
         errs.append((out - ref).abs().max().item())
     assert errs[2] < 1e-3 and errs[1] < errs[0]
@@ -212,8 +214,8 @@ def test_a_block_of_nan_or_inf_is_never_stored(lm, tmp_path, bad):
     rt = BlockRuntime(lm.model, "fp", kv_store=store)
     real = rt.encode_block
 
-    def poisoned(prefix, body):
-        k, v = real(prefix, body)
+    def poisoned(prefix, body, anchor=()):
+        k, v = real(prefix, body, anchor)
         v[0, 0, 0, 0] = bad
         return k, v
 
@@ -232,8 +234,8 @@ def test_a_block_past_the_store_dtype_is_used_but_not_stored(lm, tmp_path):
     rt = BlockRuntime(lm.model, "fp", kv_store=store)
     real = rt.encode_block
 
-    def big(prefix, body):
-        k, v = real(prefix, body)
+    def big(prefix, body, anchor=()):
+        k, v = real(prefix, body, anchor)
         v[0, 0, 0, 0] = 70000.0
         return k, v
 
@@ -241,3 +243,127 @@ def test_a_block_past_the_store_dtype_is_used_but_not_stored(lm, tmp_path):
     k, v = rt.get_block(seg.prefix, seg.passages[1], 7, PrefillStats())
     assert float(v[0, 0, 0, 0]) == 70000.0
     assert store.get(block_key("fp", seg.prefix, seg.passages[1])) is None
+
+
+@pytest.mark.parametrize("select", ["question", "deviation", "lead"])
+def test_every_selection_recomputing_all_tokens_reproduces_full_attention(lm, select):
+    seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
+    rt = BlockRuntime(lm.model, "fp")
+    _, exact, stats = rt.prefill(seg, [None] * 3, mode="block+recompute", recompute_ratio=1.0, select=select)
+    assert stats.tokens_recomputed == sum(map(len, seg.passages)) + sum(map(len, seg.headers))
+    assert (exact[0, -1] - _full_logits(lm, seg.ids())[-1]).abs().max().item() < 1e-3
+
+
+def _spans(seg):
+    spans, at = [], len(seg.prefix)
+    for h, b in zip(seg.headers, seg.passages):
+        spans.append((at, at + len(h) + len(b)))
+        at += len(h) + len(b)
+    return spans
+
+
+def test_passage_ranks_recompute_those_passages_whole_and_nothing_else(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
+    rt = BlockRuntime(lm.model, "fp")
+    block, _ = rt.assemble(seg, [None] * 3, mode="block")
+    cache, stats = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.0, select=(2,))
+    a, b = _spans(seg)[1]
+    assert stats.tokens_recomputed == b - a
+    assert not torch.allclose(cache.block(a, b)[1], block.block(a, b)[1], atol=1e-4)  # passage 2 recomputed
+    a3, b3 = _spans(seg)[2]
+    assert torch.equal(cache.block(a3, b3)[0], block.block(a3, b3)[0])  # passage 3 left as stored
+    # passage 1 recomputed sees what full attention's sees (the prefix, its header): its KV is full's
+    first, _ = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.3, select=(1,))
+    a1, b1 = _spans(seg)[0]
+    full = lm.model.new_cache()
+    lm.model(torch.tensor([seg.ids()[:b1]]), torch.arange(b1), full)
+    assert torch.allclose(first.block(a1, b1)[1], full.block(a1, b1)[1], atol=1e-4)
+
+
+def test_question_selection_takes_the_budget_over_the_whole_context_in_windows(lm):
+    seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
+    rt = BlockRuntime(lm.model, "fp")
+    spans = _spans(seg)
+    n = sum(b - a for a, b in spans)
+    for ratio in (0.1, 0.3):
+        cache, _ = rt.assemble(seg, [None] * 3, mode="block")
+        slot_ids = seg.prefix + [t for h, b in zip(seg.headers, seg.passages) for t in h + b]
+        chosen = rt._select_by_question(cache, slot_ids, spans, [], ratio, seg.question, window=4)
+        assert len(chosen) == round(ratio * n) and len(set(chosen)) == len(chosen)
+        assert all(any(a <= i < b for a, b in spans) for i in chosen)  # passage slots only (no prefix)
+        assert cache.length == len(seg.prefix) + n  # the scoring pass leaves the cache as it was
+        # windows: at most one chosen window per passage is cut short, the rest are whole 4-token windows
+        starts = {a + 4 * ((i - a) // 4) for i in chosen for a, b in spans if a <= i < b}
+        assert len(starts) <= -(-len(chosen) // 4) + len(spans)
+
+
+def test_question_selection_follows_the_question_s_attention(lm):
+    """The chosen windows are the ones the question's queries attend to most (recorded and scored
+    independently here with the same formula)."""
+    from ldqa.attention.block_attention import token_mass
+    from ldqa.attention.debias import DebiasKV
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
+    rt = BlockRuntime(lm.model, "fp")
+    cache, _, _ = rt.prefill(seg, [None] * 3, mode="block", policy=DebiasKV(n_record=len(seg.question)))
+    rec = cache.policy
+    L, q = cache.length, len(seg.question)
+    mass = token_mass(lm.model, cache, rec.queries, torch.arange(L - q, L), L)
+    assert mass.shape == (L,) and abs(mass.sum().item() - 1.0) < 1e-3  # a probability per slot
+    spans = _spans(seg)
+    block, _ = rt.assemble(seg, [None] * 3, mode="block")
+    slot_ids = seg.prefix + [t for h, b in zip(seg.headers, seg.passages) for t in h + b]
+    chosen = rt._select_by_question(block, slot_ids, spans, [], 0.05, seg.question, window=1)
+    best = sorted(range(spans[0][0], spans[-1][1]), key=lambda i: -mass[i].item())[:len(chosen)]
+    assert chosen == sorted(best)
+
+
+def test_bad_selection_is_refused_by_name(lm):
+    from ldqa.attention.block_attention import BlockConfig
+
+    seg = build_prompt(lm.tokenizer, PASSAGES[:1], "q?")
+    rt = BlockRuntime(lm.model, "fp")
+    for bad in ("random", (), (0,), ("1",)):
+        with pytest.raises(ValueError, match="recompute_select"):
+            rt.assemble(seg, [None], mode="block+recompute", select=bad)
+        with pytest.raises(ValueError, match="recompute_select"):
+            BlockConfig(0.1, None, bad)
+    assert BlockConfig(None, None, "question").resolved("block+recompute").select == "question"
+    assert BlockConfig(None, None, "question").resolved("block").select is None
+
+
+def test_an_anchored_block_is_the_body_encoded_after_prefix_and_anchor_and_moved_to_its_slot(lm):
+    from ldqa.attention.block_attention import PrefillStats
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
+    anchor = lm.tokenizer.encode(" (Title: Kiln manual) Chapter 1. The SL-30 kiln dries lumber.\n\n")
+    rt = BlockRuntime(lm.model, "fp")
+    k, v = rt.get_block(seg.prefix, seg.passages[1], None, PrefillStats(), anchor)
+    ids = seg.prefix + anchor + seg.passages[1]
+    ref = lm.model.new_cache()
+    lm.model(torch.tensor([ids]), torch.arange(len(ids)), ref)
+    p = len(seg.prefix) + len(anchor)
+    rk, rv = ref.block(p, len(ids))
+    assert torch.allclose(k, rk, atol=1e-4) and torch.allclose(v, rv, atol=1e-4)
+    plain, _ = rt.get_block(seg.prefix, seg.passages[1], None, PrefillStats())
+    assert not torch.allclose(k[-1], plain[-1], atol=1e-3)  # the anchor changed what the body saw
+    # assembled with anchors: the anchor is not in the cache, the body sits at its prompt slot
+    seg.anchors = [[], anchor, []]
+    cache, _ = rt.assemble(seg, [None] * 3, mode="block")
+    assert cache.length == len(seg.ids()) - len(seg.question)
+    a = len(seg.prefix) + len(seg.headers[0]) + len(seg.passages[0]) + len(seg.headers[1])
+    moved = reencode_keys_(lm.model, k.clone(), a - p)
+    assert torch.allclose(cache.block(a, a + len(seg.passages[1]))[0], moved, atol=1e-5)
+
+
+def test_the_anchor_is_part_of_the_block_s_key(lm, tmp_path):
+    from ldqa.attention.block_attention import PrefillStats
+    from ldqa.indexes.kv_store import KVBlockStore
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "q?")
+    rt = BlockRuntime(lm.model, "fp", KVBlockStore(tmp_path / "kv"))
+    anchor = lm.tokenizer.encode(" (Title: Kiln manual) Chapter 1.\n\n")
+    st = PrefillStats()
+    for a in ((), anchor, (), anchor):
+        rt.get_block(seg.prefix, seg.passages[1], 7, st, a)
+    assert (st.kv_misses, st.kv_hits) == (2, 2)

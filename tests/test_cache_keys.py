@@ -24,11 +24,41 @@ KEYS = {  # Mode(attention, debias, retriever) -> its recorded cache key
 }
 
 
+def _recipe() -> str:
+    """block+recompute's key suffix for the default recipe (none for CacheBlend's deviation at 0.15)."""
+    from ldqa.attention.block_attention import DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECT
+
+    plain = (DEFAULT_SELECT, DEFAULT_RECOMPUTE_RATIO) == ("deviation", 0.15)
+    return "" if plain else f"+select={DEFAULT_SELECT}@{DEFAULT_RECOMPUTE_RATIO:g}"
+
+
 @pytest.mark.parametrize("mode", sorted(KEYS))
 def test_mode_cache_keys_keep_their_values(mode):
-    assert mode_cache_key(Mode(*mode)) == KEYS[mode]
+    """The recorded keys; block+recompute's carry its default recipe, so answers of another recipe are
+    not read as this one's."""
+    assert mode_cache_key(Mode(*mode)) == KEYS[mode] + (_recipe() if mode[0] == "block+recompute" else "")
 
 
 def test_a_changed_retrieval_setting_changes_the_key():
     assert mode_cache_key(Mode("retrieval"), RetrievalConfig(top_k_keys=8)) == "retrieval/none@-#dcea80951898"
     assert mode_cache_key(Mode("retrieval"), RetrievalConfig()) == KEYS[("retrieval", "none", None)]
+
+
+def test_a_recompute_recipe_other_than_deviation_at_0_15_changes_block_recompute_s_key_only():
+    from ldqa.eval.harness import EvalConfig
+
+    cfg = EvalConfig(benchmark="nq-multidoc", data="x", recompute_select="question", recompute_ratio=0.3)
+    assert mode_cache_key(Mode("block+recompute", "sort"), cfg=cfg) == "block+recompute/sort@-+select=question@0.3"
+    assert mode_cache_key(Mode("block+recompute", "sort"), cfg=EvalConfig(
+        benchmark="nq-multidoc", data="x", recompute_select="deviation", recompute_ratio=0.15)) \
+        == KEYS[("block+recompute", "sort", None)]
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == KEYS[("block", "none", "hybrid")]
+    assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
+
+
+def test_block_anchors_change_the_block_modes_keys_only():
+    from ldqa.eval.harness import EvalConfig
+
+    cfg = EvalConfig(benchmark="jsonl", data="x", block_anchors=True)
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == "block/none@hybrid+anchors"
+    assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]

@@ -107,6 +107,15 @@ def test_cli_calibration_choices_are_ldqas_forms():
     assert ask.parse_args(["q?", "--debias-calibration", "pearson"]).debias_calibration == "pearson"
 
 
+def test_cli_recompute_select_choices_are_ldqas_methods():
+    from ldqa.app.cli import build_parser
+    from ldqa.attention.block_attention import SELECT_METHODS
+    ask = build_parser()._subparsers._group_actions[0].choices["ask"]
+    action = next(a for a in ask._actions if a.dest == "recompute_select")
+    assert tuple(action.choices) == SELECT_METHODS
+    assert ask.parse_args(["q?", "--recompute-select", "question"]).recompute_select == "question"
+
+
 def test_demo_prints_a_second_setting_beside_the_first(tmp_path, tiny_model_dir):
     """`ldqa demo` answers the questions again in a second setting and prints one line per question with
     both answers: full attention without debiasing, or block attention when that is the first setting;

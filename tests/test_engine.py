@@ -8,7 +8,7 @@ import torch
 
 from ldqa.app.prompt import build_prompt
 from ldqa.attention import debias as D
-from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO, BlockConfig
+from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECT, BlockConfig
 from ldqa.attention.debias import DebiasConfig
 from ldqa.attention.engine import AttentionConfig, Engine
 from ldqa.attention.loader import load_model
@@ -26,7 +26,8 @@ class _P:
 
 def test_resolved_fills_each_modes_defaults():
     cfg = AttentionConfig.from_kwargs("block+recompute", debias="calibrate").resolved()
-    assert cfg.block == BlockConfig(DEFAULT_RECOMPUTE_RATIO, DEFAULT_HEADERS)
+    assert cfg.block == BlockConfig(DEFAULT_RECOMPUTE_RATIO, DEFAULT_HEADERS, DEFAULT_SELECT, False)
+    assert cfg.settings()["recompute_select"] == DEFAULT_SELECT
     assert (cfg.debias.orders, cfg.debias.calibration) == (D.MEASURE_ORDERS["block+recompute"],
                                                           D.CALIBRATION["block+recompute"])
     assert cfg.debias.strength == D.STRENGTH[cfg.debias.calibration] and cfg.retrieval is None
@@ -41,7 +42,7 @@ def test_resolved_fills_each_modes_defaults():
     given = AttentionConfig.from_kwargs("block", debias="calibrate", debias_calibration="pearson", debias_strength=0)
     s = given.resolved().settings()
     assert s == {"debias": "calibrate", "debias_orders": 2, "debias_calibration": "pearson", "debias_strength": 0.0,
-                 "block_headers": DEFAULT_HEADERS}
+                 "block_headers": DEFAULT_HEADERS, "block_anchors": False}
     assert given.resolved().resolved() == given.resolved()  # idempotent
 
 
@@ -49,6 +50,7 @@ def test_resolved_fills_each_modes_defaults():
     ({"attention": "sparse"}, "attention='sparse'"),
     ({"attention": "block", "recompute_ratio": 1.5}, "recompute_ratio"),
     ({"attention": "block", "block_headers": "none"}, "block_headers"),
+    ({"attention": "block+recompute", "recompute_select": "random"}, "recompute_select"),
     ({"attention": "full", "top_k_keys": 8}, "only apply to attention='retrieval'"),
     ({"attention": "retrieval", "nonsense": 1}, "unknown retrieval setting"),
     ({"debias": "shuffle"}, "debias='shuffle'"),

@@ -1,0 +1,223 @@
+"""Where block reuse loses its points, and which recomputed tokens win them back: every variant of one
+question in one process, paired with full attention on the same model, prompt and passages.
+
+NQ-open multi-doc (eval/nq.py: the gold passage and 9 distractors, gold at each of --positions), greedy
+answers of at most --max-new-tokens, best-subspan EM, no debiasing (the passages stay where they are put).
+Variants (--variants, comma-separated):
+  full                      exact attention over the whole prompt
+  block                     stored passage blocks, only the question computed
+  SELECT@R                  block+recompute of the fraction R of the passage tokens chosen by SELECT
+                            (`block_attention.SELECT_METHODS`: question, deviation, lead)
+  oracle                    block+recompute of the gold passage whole (the answer's passage), nothing else
+Recomputing every token (e.g. question@1.0) must give full attention's answers: `same_as_full` says how
+many do. The passages' blocks are stored before a question's variants run, so every TTFT is warm. Per variant: EM by gold position, the paired difference from full (points, SE), answers that
+ran to the token cap, median TTFT and the tokens recomputed. Resumable: one JSON row per answer in
+OUT/rows.jsonl; the summary in OUT/summary.json and as a Markdown table on stdout.
+
+    OMP_NUM_THREADS=1 python -m ldqa.eval.bench_recompute --model gemma3-270m --n 40 --out out/recompute-gemma
+    python -m ldqa.eval.bench_recompute --part ttft --passages 5 --n 5 --out out/recompute-ttft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from ldqa.eval.metrics import best_subspan_em
+from ldqa.eval.nq import DEFAULT_DATA, load_nq, multidoc_example
+
+DEFAULT_VARIANTS = "full,block,oracle,lead@0.12,deviation@0.15,question@0.1,question@0.2,question@1.0"
+
+
+def parse_variant(spec: str) -> dict:
+    """The `LongDocQA.answer` keywords of variant `spec` (see the module docstring), without the gold
+    passage's rank (filled per question for "oracle"). Raises ValueError for an unknown variant."""
+    from ldqa.attention.block_attention import SELECT_METHODS
+
+    if spec in ("full", "block"):
+        return {"attention": spec}
+    if spec == "oracle":
+        return {"attention": "block+recompute", "recompute_select": "oracle"}
+    name, _, ratio = spec.partition("@")
+    if name in SELECT_METHODS and ratio:
+        r = float(ratio)
+        if 0 <= r <= 1:
+            return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r}
+    raise ValueError(f"variant {spec!r}: use full, block, oracle or SELECT@R with SELECT one of "
+                     f"{', '.join(SELECT_METHODS)} and R in [0, 1]")
+
+
+def answer_rows(qa, records, idx, positions, variants, n_passages, max_new, seed, rows_path: Path) -> dict:
+    """Answer every (question, gold position, variant) not in `rows_path` yet, appending its row; returns
+    every row by (record, position, variant)."""
+    from tqdm import tqdm
+
+    done = {}
+    if rows_path.exists():
+        for line in rows_path.read_text().splitlines():
+            r = json.loads(line)
+            done[(r["i"], r["gold_position"], r["variant"])] = r
+    with open(rows_path, "a") as f:
+        for i in tqdm(idx, desc="questions", file=sys.stderr):
+            for pos in positions:
+                ex = multidoc_example(records, i, n_passages, pos, seed)
+                todo = [v for v in variants if (i, pos, v) not in done]
+                if any(v != "full" for v in todo):  # store the passages' blocks first: every TTFT is warm
+                    qa.answer(ex["question"], ex["passages"], attention="block", max_new_tokens=1, debias="none")
+                for spec in todo:
+                    kw = parse_variant(spec)
+                    if kw.get("recompute_select") == "oracle":
+                        kw["recompute_select"] = (pos,)
+                    ans = qa.answer(ex["question"], ex["passages"], max_new_tokens=max_new, debias="none", **kw)
+                    t = ans.timings
+                    row = {"i": i, "gold_position": pos, "variant": spec, "prediction": ans.text,
+                           "em": best_subspan_em(ans.text, ex["answers"]), "ttft_ms": t["ttft_ms"],
+                           "prompt_tokens": t["prompt_tokens"], "generated_tokens": t["generated_tokens"],
+                           "at_cap": t["generated_tokens"] >= max_new,
+                           "tokens_recomputed": t.get("tokens_recomputed", 0),
+                           "attention_used": ans.settings.get("attention_used", kw["attention"])}
+                    done[(i, pos, spec)] = row
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+    return done
+
+
+def summarize(done: dict, idx, positions, variants) -> dict:
+    """Per variant: n, EM overall and by gold position, the paired difference from full (points, SE,
+    overall and by position), answers at the cap, same_as_full (identical predictions), median TTFT (ms),
+    mean tokens recomputed."""
+    out = {}
+    keys = [(i, p) for i in idx for p in positions]
+    for spec in variants:
+        rows = [done[(i, p, spec)] for i, p in keys if (i, p, spec) in done]
+        if not rows:
+            continue
+        s = {"n": len(rows), "em": statistics.fmean(r["em"] for r in rows),
+             "em_by_position": {p: statistics.fmean(r["em"] for r in rows if r["gold_position"] == p)
+                                for p in positions if any(r["gold_position"] == p for r in rows)},
+             "at_cap": sum(r["at_cap"] for r in rows),
+             "median_ttft_ms": statistics.median(r["ttft_ms"] for r in rows),
+             "mean_tokens_recomputed": statistics.fmean(r["tokens_recomputed"] for r in rows),
+             "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in rows)}
+        if spec != "full":
+            pairs = [(done[(i, p, spec)], done[(i, p, "full")]) for i, p in keys
+                     if (i, p, spec) in done and (i, p, "full") in done]
+            if len(pairs) > 1:
+                d = [a["em"] - b["em"] for a, b in pairs]
+                s["minus_full_points"] = 100 * statistics.fmean(d)
+                s["paired_se_points"] = 100 * statistics.stdev(d) / len(d) ** 0.5
+                s["minus_full_by_position"] = {
+                    p: 100 * statistics.fmean(a["em"] - b["em"] for a, b in pairs if a["gold_position"] == p)
+                    for p in positions if any(a["gold_position"] == p for a, _ in pairs)}
+                s["same_as_full"] = sum(a["prediction"] == b["prediction"] for a, b in pairs)
+                s["n_paired"] = len(pairs)
+        out[spec] = s
+    return out
+
+
+def markdown(summary: dict, positions) -> str:
+    """The summary as a Markdown table (EM by gold position, difference from full, cap, TTFT)."""
+    head = ("| variant | " + " | ".join(f"EM gold {p}" for p in positions)
+            + " | EM | - full (SE) | same as full | at cap | TTFT median | recomputed |")
+    lines = [head, "|" + "---|" * (len(positions) + 7)]
+    for spec, s in summary.items():
+        diff = (f"{s['minus_full_points']:+.1f} ({s['paired_se_points']:.1f})" if "minus_full_points" in s else "")
+        same = f"{s['same_as_full']}/{s['n_paired']}" if "same_as_full" in s else ""
+        lines.append(f"| {spec} | " + " | ".join(f"{s['em_by_position'].get(p, float('nan')):.3f}" for p in positions)
+                     + f" | {s['em']:.3f} | {diff} | {same} | {s['at_cap']}/{s['n']} | "
+                       f"{s['median_ttft_ms'] / 1000:.2f} s | {s['mean_tokens_recomputed']:.0f} of "
+                       f"{s['mean_prompt_tokens']:.0f} |")
+    return "\n".join(lines)
+
+
+def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: int) -> dict:
+    """Warm TTFT (ms) of each variant over the same prompts: the first len(idx) questions, gold passage
+    first among `n_passages`, `repeats` times each (the passages' blocks stored first; full attention's
+    memo of exact prefills cleared before each of its runs). Returns per variant the median TTFT and
+    full's median over it (the speed-up), and the prompt tokens."""
+    from ldqa.app.api import Passage
+
+    times = {v: [] for v in variants}
+    tokens = []
+    for i in idx:
+        ex = multidoc_example(records, i, n_passages, 1, seed)
+        ps = [Passage(p["title"], p["text"]) for p in ex["passages"]]
+        qa.answer(ex["question"], ps, attention="block", max_new_tokens=1, debias="none")
+        for _ in range(repeats):
+            for spec in variants:
+                kw = parse_variant(spec)
+                if kw.get("recompute_select") == "oracle":
+                    kw["recompute_select"] = (1,)
+                if spec == "full":
+                    qa.engine.clear_memo()
+                t = qa.answer(ex["question"], ps, max_new_tokens=1, debias="none", **kw).timings
+                times[spec].append(t["ttft_ms"])
+        tokens.append(t["prompt_tokens"])
+    med = {v: statistics.median(x) for v, x in times.items()}
+    return {"passages": n_passages, "questions": len(idx), "repeats": repeats,
+            "median_prompt_tokens": statistics.median(tokens), "median_ttft_ms": med,
+            "full_over_variant": {v: med["full"] / m for v, m in med.items() if v != "full"}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--n", type=int, default=40, help="questions (a seeded sample; a larger n extends a smaller)")
+    ap.add_argument("--passages", type=int, default=10)
+    ap.add_argument("--positions", default="1,5,10", help="gold positions (1-based)")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", type=Path, default=Path("out/bench-recompute"))
+    ap.add_argument("--part", choices=["accuracy", "ttft"], default="accuracy",
+                    help="ttft: warm TTFT of each variant at --passages (gold first), --n questions x --repeats, "
+                         "at the process's torch threads")
+    ap.add_argument("--repeats", type=int, default=3, help="ttft: runs of each variant per question")
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    for v in variants:
+        parse_variant(v)
+    if "full" not in variants:
+        raise SystemExit("--variants must include full (every variant is paired with it)")
+    positions = [int(p) for p in args.positions.split(",")]
+    if args.part == "accuracy" and any(not 1 <= p <= args.passages for p in positions):
+        raise SystemExit(f"--positions {args.positions}: each must be in 1..{args.passages}")
+    if not args.data.exists():
+        raise SystemExit(f"--data {args.data}: not found (the NQ-open oracle file of ../shared/data)")
+
+    from ldqa.app.api import LongDocQA
+
+    records = load_nq(args.data)
+    args.out.mkdir(parents=True, exist_ok=True)
+    order = list(range(len(records)))
+    random.Random(args.seed).shuffle(order)
+    idx = order[: args.n]
+    qa = LongDocQA(store=Path(tempfile.mkdtemp(prefix="kv-", dir=args.out)), model=args.model, kv_budget_mb=4096)
+    if args.part == "ttft":
+        qa.warm_up()
+        res = {"model": qa.model_name, "weights": qa.weights, "threads": __import__("torch").get_num_threads(),
+               **ttft_part(qa, records, idx, variants, args.passages, args.seed, args.repeats)}
+        (args.out / f"ttft-{args.passages}.json").write_text(json.dumps(res, indent=1))
+        print("| variant | TTFT median | full / variant |\n|---|---|---|")
+        for v, m in res["median_ttft_ms"].items():
+            print(f"| {v} | {m / 1000:.2f} s | {res['full_over_variant'].get(v, 1.0):.1f}x |")
+        return 0
+    done = answer_rows(qa, records, idx, positions, variants, args.passages, args.max_new_tokens, args.seed,
+                       args.out / "rows.jsonl")
+    summary = summarize(done, idx, positions, variants)
+    result = {"model": qa.model_name, "weights": qa.weights, "n_questions": len(idx), "positions": positions,
+              "passages": args.passages, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+              "threads": __import__("torch").get_num_threads(), "variants": summary}
+    (args.out / "summary.json").write_text(json.dumps(result, indent=1))
+    print(markdown(summary, positions))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""APE-style block scaling (`block_attention.ScaledKV`) and the benchmarks of block+recompute's token
+selection (`eval/bench_recompute.py`) and of the scaling's fit (`eval/bench_block_scaling.py`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ldqa.app.prompt import build_prompt
+from ldqa.attention.block_attention import BlockRuntime, BlockScaling, ScaledKV
+from ldqa.attention.loader import load_model
+
+from .conftest import SHARED_DATA
+
+PASSAGES = [{"title": "Kiln manual", "text": "The SL-30 chamber holds 3.2 cubic metres of stacked lumber. " * 3},
+            {"title": "Bulletin", "text": "Tighten each fan hub bolt to 18 Nm with a calibrated wrench. " * 4}]
+
+
+class _P:
+    def __init__(self, d):
+        self.title, self.text, self.page = d["title"], d["text"], None
+
+
+def _reference(q, k, v, q_pos, k_pos, start, end, query_from, t, s, scale):
+    """Loops over heads, rows and keys: the scaled softmax attention written out."""
+    hq, hkv = q.shape[1], k.shape[1]
+    out = torch.zeros_like(q)
+    for h in range(hq):
+        kv = h // (hq // hkv)
+        for i in range(q.shape[2]):
+            w = []
+            for j in range(k.shape[2]):
+                if k_pos[j] > q_pos[i]:
+                    w.append(-math.inf)
+                    continue
+                x = float(q[0, h, i] @ k[0, kv, j]) * scale
+                if q_pos[i] >= query_from and start <= j < end:
+                    x = x / t + math.log(s)
+                w.append(x)
+            p = torch.softmax(torch.tensor(w), 0)
+            out[0, h, i] = p @ v[0, kv]
+    return out
+
+
+@pytest.mark.parametrize("t, s", [(1.0, 1.0), (0.8, 2.0), (1.3, 0.25)])
+def test_scaled_attention_equals_the_written_out_formula(t, s):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g),
+               torch.randn(1, 2, 12, 8, generator=g))
+    q_pos, k_pos = torch.tensor([7, 10, 11]), torch.arange(12)  # row 0 is a passage token (before query_from)
+    pol = ScaledKV(BlockScaling(t, s), start=2, end=9, query_from=9, attn_scale=0.35)
+    got = pol.forward(0, q, k, v, q_pos, k_pos, None)
+    assert torch.allclose(got, _reference(q, k, v, q_pos, k_pos, 2, 9, 9, t, s, 0.35), atol=1e-5)
+    assert pol.forward(0, q[:, :, :1], k, v, q_pos[:1], k_pos, None) is None  # no query to scale: exact path
+
+
+def test_identity_scaling_gives_plain_block_attention_s_logits(tiny_model_dir):
+    lm = load_model(str(tiny_model_dir("qwen2")))
+    seg = build_prompt(lm.tokenizer, [_P(p) for p in PASSAGES], "How much lumber does the chamber hold?")
+    rt = BlockRuntime(lm.model, "fp")
+    cache, _ = rt.assemble(seg, [None] * 2, mode="block")
+    end, q = cache.length, seg.question
+    plain = lm.model(torch.tensor([q]), torch.arange(end, end + len(q)), cache.clone(), all_logits=True)
+    scaled = cache.clone()
+    scaled.policy = ScaledKV(BlockScaling(), len(seg.prefix), end, end, lm.model.cfg.attn_scale)
+    same = lm.model(torch.tensor([q]), torch.arange(end, end + len(q)), scaled, all_logits=True)
+    assert (plain - same).abs().max().item() < 1e-4
+    scaled = cache.clone()
+    scaled.policy = ScaledKV(BlockScaling(1.0, 1e-6), len(seg.prefix), end, end, lm.model.cfg.attn_scale)
+    other = lm.model(torch.tensor([q]), torch.arange(end, end + len(q)), scaled, all_logits=True)
+    assert (plain - other).abs().max().item() > 1e-3  # passages all but hidden: another answer
+
+
+def test_block_scaling_refuses_non_positive_values():
+    for bad in ((0.0, 1.0), (1.0, -1.0)):
+        with pytest.raises(ValueError, match="temperature > 0 and scale > 0"):
+            BlockScaling(*bad)
+
+
+def test_bench_recompute_variants_and_paired_summary():
+    from ldqa.eval.bench_recompute import markdown, parse_variant, summarize
+
+    assert parse_variant("full") == {"attention": "full"}
+    assert parse_variant("question@0.2") == {"attention": "block+recompute", "recompute_select": "question",
+                                             "recompute_ratio": 0.2}
+    assert parse_variant("oracle")["recompute_select"] == "oracle"
+    for bad in ("question@2", "random@0.1", "question"):
+        with pytest.raises(ValueError, match="variant"):
+            parse_variant(bad)
+    done = {}
+    for i, (f, b) in enumerate([(1, 0), (1, 1), (0, 0), (1, 0)]):
+        for spec, em in (("full", f), ("block", b)):
+            done[(i, 1, spec)] = {"i": i, "gold_position": 1, "variant": spec, "prediction": str(em) + spec,
+                                  "em": em, "ttft_ms": 100.0, "prompt_tokens": 50, "generated_tokens": 3,
+                                  "at_cap": False, "tokens_recomputed": 0}
+    s = summarize(done, [0, 1, 2, 3], [1], ["full", "block"])
+    assert s["full"]["em"] == 0.75 and s["block"]["em"] == 0.25
+    assert s["block"]["minus_full_points"] == -50.0 and s["block"]["n_paired"] == 4
+    assert s["block"]["paired_se_points"] == pytest.approx(100 * 0.57735 / 2, rel=1e-4)
+    assert "| block | 0.250 | 0.250 | -50.0 (28.9) | 0/4 |" in markdown(s, [1])
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "nq-open-oracle.jsonl.gz").exists(), reason="needs ../shared/data")
+def test_bench_block_scaling_runs_the_grid_with_plain_block_as_reference(tmp_path, tiny_model_dir, capsys):
+    import json
+
+    from ldqa.eval.bench_block_scaling import main
+
+    out = tmp_path / "o"
+    assert main(["--model", str(tiny_model_dir("qwen2")), "--n", "2", "--temperatures", "0.9",
+                 "--scales", "0.5", "--new-tokens", "2", "--out", str(out)]) == 0
+    res = json.loads((out / "bench-block-scaling.json").read_text())
+    assert {(r["temperature"], r["scale"]) for r in res["grid"]} == {(0.9, 0.5), (1.0, 1.0)}
+    assert res["plain_block"]["kl"] >= 0 and res["best"]["kl"] <= res["plain_block"]["kl"]
+    assert "| temperature | scale |" in capsys.readouterr().out
