@@ -164,6 +164,17 @@ def _greedy(lm, ids, steps):
     return first, toks
 
 
+def _forced(lm, ids, toks):
+    """Logits (len(toks), vocab) of the prompt's last token and after each of toks[:-1], fed in turn."""
+    m, n = lm.model, len(ids)
+    cache = m.new_cache()
+    with torch.no_grad():
+        out = [m(torch.tensor([ids]), torch.arange(n), cache)[0, -1].clone()]
+        for i, t in enumerate(toks[:-1]):
+            out.append(m(torch.tensor([[t]]), torch.tensor([n + i]), cache)[0, -1].clone())
+    return torch.stack(out)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, types", [("smollm2-135m", {"Q4_1"}), ("gemma3-270m", {"Q5_0", "Q4_K", "Q6_K"})])
 def test_packaged_models_keep_their_blocks_and_match_fp32(name, types):
@@ -176,8 +187,17 @@ def test_packaged_models_keep_their_blocks_and_match_fp32(name, types):
     assert found == types
     assert all(layer.fused is not None for layer in layers)
     ids = lm.tokenizer.encode("Question: who wrote the novel Moby-Dick, published in 1851? Answer:")
-    first, toks = _greedy(lm, ids, 16)
-    ref_first, ref_toks = _greedy(loader.load_model(name, weights="fp32"), ids, 16)
-    # the very weights of fp32 (both read the same blocks): only the activations' rounding differs
-    assert float((first - ref_first).abs().max() / ref_first.abs().max()) < 2e-3
-    assert toks == ref_toks
+    ref = loader.load_model(name, weights="fp32")
+    _, ref_toks = _greedy(ref, ids, 16)
+    # the very weights of fp32 (both read the same blocks): only the activations' rounding differs. Both
+    # are fed fp32's greedy tokens: the prefill (several rows: int16 activations) stays within 2e-3 of
+    # fp32's logits; a decode step of the K types rounds activations to int8 per 256 (as ggml's Q8_K), which
+    # moves Gemma's logits by 3-5% of their largest magnitude (measured; a wrong block reads O(1) off), so
+    # the two pick the same token wherever fp32's top two are more than half a logit apart (Gemma's third
+    # token of this prompt is a 0.15-logit call, which the int8 rounding may flip)
+    got, want = _forced(lm, ids, ref_toks), _forced(ref, ids, ref_toks)  # (16, vocab) each
+    rel = (got - want).abs().amax(-1) / want.abs().amax(-1)
+    assert float(rel[0]) < 2e-3 and float(rel.max()) < 0.08, rel
+    top2 = torch.topk(want, 2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.5
+    assert bool(clear.sum() >= 12) and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
