@@ -364,7 +364,8 @@ def _short(text: str, n: int) -> str:
 def _cell(text: str, ok: float, timings: dict) -> str:
     """One answer in the demo's side-by-side line: correct or not, TTFT, total time, the answer's start."""
     ttft = timings.get("ttft_ms")
-    when = f"TTFT {ttft / 1000:.1f} s, {timings['total_ms'] / 1000:.1f} s" if ttft is not None else "no model call"
+    when = (f"TTFT {ttft / 1000:4.1f} s, total {timings['total_ms'] / 1000:4.1f} s" if ttft is not None
+            else "no model call")
     return f"{'ok ' if ok else 'no '} {when}: {_short(text, 28):28s}"
 
 
