@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 
 from ldqa.indexes.store import DB_NAME, INDEX_NAME, copy_database, database_identity
-from ldqa.indexes.vector_index import atomic_write_bytes
+from ldqa.indexes.vector_index import atomic_write_bytes, fsync_dir
 from ldqa.retrieval.fusion import rrf
 from ldqa.retrieval.retriever import EmptyCollectionError, RetrievedPassage, Retriever
 
@@ -104,7 +104,7 @@ def migrate_to_per_user(root: str | os.PathLike) -> str:
         return f"finished moving the single collection of {root} to {shared}"
     identity = _write_copy(root, stage)
     os.rename(stage, shared)  # the switch: before it, the old store is the collection; after it, the copy
-    _fsync_dir(root)
+    fsync_dir(root)
     _remove_old(root, shared)
     n = identity["documents"]
     return (f"login is on: the {n} document{'s' if n != 1 else ''} of {root} moved to the shared collection "
@@ -127,7 +127,7 @@ def _write_copy(root: Path, stage: Path) -> dict:
             _fsync_file(p)
     atomic_write_bytes(stage / MIGRATED, json.dumps({"from": str(root), "identity": identity}, indent=1).encode())
     for d in [stage, *(p for p in stage.rglob("*") if p.is_dir())]:
-        _fsync_dir(d)
+        fsync_dir(d)
     return identity
 
 
@@ -144,7 +144,7 @@ def _remove_old(root: Path, shared: Path) -> None:
         shutil.rmtree(root / "uploads")
     for name in (INDEX_NAME, INDEX_NAME + ".json", DB_NAME + "-wal", DB_NAME + "-shm", DB_NAME):
         (root / name).unlink(missing_ok=True)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _read_marker(shared: Path) -> dict | None:
@@ -166,20 +166,6 @@ def _link_or_copy(src, dst) -> str:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename or new entry in `directory` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def check_shared_store(path: str | os.PathLike, root: str | os.PathLike, login: bool) -> Path:

@@ -58,10 +58,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or new entry in `directory` durable (a no-op where directories cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # e.g. platforms that cannot open directories
