@@ -6,7 +6,8 @@
 Each `--build TAG=SOURCE[:FLAGS]` compiles SOURCE (a q8_0.c beside its decode_attention.c and simd.h, or
 `git:REV` for the repository's kernels at a revision) with `cc -O3 -march=native -fopenmp` plus FLAGS
 (space-separated, e.g. `-mno-avx512f` for the AVX2 loop, `-DPF_AHEAD=0` for no prefetch) into a temporary
-directory. Shapes: `MxNxK` is `ldqa_q8_0_linear` on random Q8_0 weights (matrices under 50 MB are cycled
+directory. Shapes: `MxNxK` is `ldqa_q8_0_linear` on random Q8_0 weights, `q4_k:MxNxK` / `q6_k:MxNxK`
+`ldqa_mats_linear` on random Q4_K / Q6_K blocks (matrices under 50 MB are cycled
 through ~200 MB of copies, so they are read from memory as in a decode step); `layers` is 18 Gemma 3 270M
 layers' fused decode calls (`ldqa_decode_attn_in` + `ldqa_decode_attn_out`, no attention; the weight-matrix
 API of `gguf_blocks.h`: builds of revisions without it run the linear shapes only). Every repetition
@@ -60,6 +61,7 @@ def build(tag: str, spec: str, tmp: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.ldqa_q8_0_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.ldqa_mats_linear.argtypes = [p, i32, p, i64, i64, p, i32]
     if hasattr(lib, "ldqa_decode_attn_in"):
         lib.ldqa_decode_attn_in.argtypes = [p, i64, p, f32, p, p, i64, i64, i64, p, p, p, p, p, i32]
         lib.ldqa_decode_attn_out.argtypes = [p, p, i64, i64, p, p, p, p, f32, p, i64, i32, p, p, i32]
@@ -86,6 +88,33 @@ def linear_job(rng, libs, m: int, n: int, k: int):
         return copies
 
     return f"M={m} N={n} K={k}", run, ys, n * k * 17 / 16
+
+
+K_TYPES = {"q4_k": (12, 144, (0, 2)), "q6_k": (14, 210, (208,))}  # ggml type, bytes per 256, fp16 scale offsets
+
+
+def ktype_job(rng, libs, kind: str, m: int, n: int, k: int):
+    """one x (m, k) against ~200 MB of (n, k) weight copies in a K type (random blocks with sane fp16 scales),
+    through `ldqa_mats_linear`; returns (name, run(tag, threads) -> calls, ys, bytes)"""
+    from ldqa.kernels.cpu_linear import Mat
+
+    ggml_type, block, scale_at = K_TYPES[kind]
+    w = rng.integers(0, 256, (n, k // 256, block), dtype=np.uint8)
+    for off in scale_at:
+        w[:, :, off:off + 2] = rng.uniform(1e-3, 2e-2, (n, k // 256)).astype(np.float16)[..., None].view(np.uint8)
+    w = w.reshape(n, -1)
+    copies = max(1, int(200e6 // w.nbytes)) if w.nbytes < 50e6 else 1
+    ws = [w.copy() for _ in range(copies)]
+    mats = [(Mat * 1)(Mat(ggml_type, c.ctypes.data, None, n)) for c in ws]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ys = {t: np.empty((m, n), np.float32) for t in libs}
+
+    def run(tag, threads, keep=ws):  # the weights stay alive as long as `run`
+        for mat in mats:
+            libs[tag].ldqa_mats_linear(ctypes.addressof(mat), 1, x.ctypes.data, m, k, ys[tag].ctypes.data, threads)
+        return copies
+
+    return f"{kind} M={m} N={n} K={k}", run, ys, w.nbytes
 
 
 def layers_job(rng, libs, n_layers=18, hid=640, heads=4, kv=1, hd=256, inter=2048):
@@ -140,8 +169,10 @@ def main(argv=None) -> None:
             libs[tag] = build(tag, src, Path(tmp))
         print("load average:", os.getloadavg(), flush=True)
         for shape in args.shapes.split(","):
+            kind, _, dims = shape.rpartition(":")
             name, run, ys, nbytes = (layers_job(rng, libs) if shape == "layers"
-                                     else linear_job(rng, libs, *map(int, shape.split("x"))))
+                                     else ktype_job(rng, libs, kind, *map(int, dims.split("x"))) if kind
+                                     else linear_job(rng, libs, *map(int, dims.split("x"))))
             for threads in map(int, args.threads.split(",")):
                 times = {t: [] for t in libs}
                 for _ in range(args.reps):

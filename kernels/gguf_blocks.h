@@ -21,8 +21,9 @@
  * 8 * xs / 16 * xs in the integer lanes; converted to fp32 once and scaled by the block's scale times xd.
  * Q4_1/Q5_1 (+ m) and Q4_K (- dmin * m_s) add offset * xd * xs. Q6_K keeps a scale per 16 (two madds).
  * Why: decode reads every weight once per token, and a Q5_0 row is 5.5 bits per weight where its Q8_0
- * rounding is 8.5 (issue 30). Measured: on the dev machine the unpacking costs more than the bytes save
- * (docs/results.md, session 26), so this is for exactness and memory, not speed.
+ * rounding is 8.5. Measured for the 32-block types: the unpacking costs more than the bytes save
+ * (docs/kernels.md), so they are for exactness and memory, not speed; the K types' int8 loops below are
+ * for speed.
  * Torch reference: cpu_linear.linear_gguf_reference (the `gguf` package's dequantization, the same
  * activation rounding); tests/test_gguf_blocks.py compares them for every type.
  */
@@ -286,6 +287,8 @@ typedef struct {
     const int16_t *xq;
     const float *xd;
     const int32_t *xs;
+    const int8_t *x8q; /* x8 with the 32-blocks of each 256 in Q4_K's load order 0 2 1 3 4 6 5 7 */
+    const int32_t *b32; /* the sum of each 32 of x8 */
 } kx_t;
 
 /* Q4_K's 6-bit scales and mins of a super-block as 8 bytes each (ggml's get_scale_min_k4, 4 bytes at a
@@ -311,7 +314,7 @@ static inline __m256i pick16(__m256i v, int j, int k) {
 
 /* Q4_K: per 64 weights, 32 bytes of nibbles: low nibbles are sub-block 2j, high ones sub-block 2j + 1;
  * w = d * sc * q - dmin * m per sub-block, so y = xd * (d * sum sc_j (q . x8)_j - dmin * sum m_j bs_j) */
-static float rowk_q4_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
+__attribute__((unused)) static float rowk_q4_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
     __m256 acc = _mm256_setzero_ps(), offv = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int8_t *x8 = a->x8;
@@ -350,7 +353,7 @@ static float rowk_q4_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
 /* Q6_K: two halves of 128 weights per 256; value block k (0-3) of a half: low (k < 2) or high nibbles of
  * ql[(k & 1) * 32 ..] with bits 2k, 2k + 1 of qh as bits 4-5 (q in 0-63, w = d * sc * (q - 32)); 16
  * sub-blocks of 16 with int8 scales: y = xd * d * (sum sc_s (q . x8)_s - 32 sum sc_s bs_s) */
-static float rowk_q6_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
+__attribute__((unused)) static float rowk_q6_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
     __m256 acc = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
     const int8_t *x8 = a->x8;
@@ -388,6 +391,120 @@ static float rowk_q6_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
     return hsum256(acc) + precise;
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+/* The same two K-type rows with 512-bit vectors (AVX-512BW + VNNI): 64 weights per instruction, the sub-block
+ * scales applied by vpdpwssd (int16 pairs times int16 scales added into int32 lanes), so a super-block of
+ * 256 weights is ~35 vector instructions against ~75 above. The integer sums per super-block are the
+ * same; they are converted to fp32 over 16 lanes instead of 8 (fp32 rounding order only). Used where the
+ * compiler targets these extensions (gguf_rowk); on a CPU whose 512-bit units run a zmm op as two halves
+ * it decodes no more instructions than the 256-bit loop, and on one with full-width units it halves the
+ * decode-time matrix work (docs/kernels.md). */
+
+/* 32 int16 lane indices: lanes 0-15 pick a, lanes 16-31 pick b (for _mm512_permutexvar_epi16) */
+static inline __m512i halves16(int a, int b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
+}
+
+/* 32 int16 lane indices: lane i picks base + i / 8 (Q6_K: one scale per 16 weights = 8 int16 lanes) */
+static inline __m512i eighths16(int base) {
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_setr_epi16(base, base, base, base, base, base, base, base, base + 1, base + 1,
+                                                 base + 1, base + 1, base + 1, base + 1, base + 1, base + 1)),
+        _mm256_setr_epi16(base + 2, base + 2, base + 2, base + 2, base + 2, base + 2, base + 2, base + 2, base + 3,
+                          base + 3, base + 3, base + 3, base + 3, base + 3, base + 3, base + 3),
+        1);
+}
+
+/* Q4_K: 128 bytes of nibbles per super-block = two zmm; in each, the low nibbles of bytes 0-31 / 32-63 are
+ * sub-blocks 4p / 4p + 2 and the high ones 4p + 1 / 4p + 3 (p = 0, 1): the activations in that order are
+ * a->x8q, four contiguous zmm per super-block */
+static float rowk512_q4_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
+    __m512 acc = _mm512_setzero_ps();
+    __m256 offv = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i i02 = halves16(0, 2), i13 = halves16(1, 3), i46 = halves16(4, 6), i57 = halves16(5, 7);
+    const int8_t *xq4 = a->x8q;
+    const float *xd = a->xd8;
+    const int32_t *b32 = a->b32;
+    float precise = 0.0f;
+    for (int64_t s = 0; s < nsb; s++, w += 144, xq4 += 256, b32 += 8) {
+        if (a->precise[s]) {
+            precise += row_q4_k(w, a->xq + 256 * s, a->xd + 8 * s, a->xs + 8 * s, 8);
+            continue;
+        }
+        const float d = fp16_at(w) * xd[s], dmin = fp16_at(w + 2) * xd[s];
+        uint64_t sc, mn;
+        q4_k_scales8(w + 4, &sc, &mn);
+        const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+        const __m512i q0 = _mm512_loadu_si512((const void *)(w + 16)), q1 = _mm512_loadu_si512((const void *)(w + 80));
+        const __m512i *x = (const __m512i *)xq4;
+        __m512i sumi = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
+                                           _mm512_maddubs_epi16(_mm512_and_si512(q0, m4), _mm512_loadu_si512(x)),
+                                           _mm512_permutexvar_epi16(i02, s16));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
+                                                              _mm512_loadu_si512(x + 1)),
+                                   _mm512_permutexvar_epi16(i13, s16));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(_mm512_and_si512(q1, m4), _mm512_loadu_si512(x + 2)),
+                                   _mm512_permutexvar_epi16(i46, s16));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q1, 4), m4),
+                                                              _mm512_loadu_si512(x + 3)),
+                                   _mm512_permutexvar_epi16(i57, s16));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d), acc);
+        const __m256i mins = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)),
+                                                _mm256_loadu_si256((const __m256i *)b32));
+        offv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin), offv);
+    }
+    return _mm512_reduce_add_ps(acc) - hsum256(offv) + precise;
+}
+
+/* Q6_K: per half of 128 weights, the 64 bytes of ql as one zmm: low nibbles are values 0-63, high ones
+ * 64-127, in order; value 32k + i takes bits 2k, 2k + 1 of qh[i] as bits 4-5 (qh broadcast to both 256-bit
+ * halves and shifted per half: k = 0, 1 by 4, 2 to the left, k = 2, 3 by 0, 2 to the right, then & 0x30) */
+static float rowk512_q6_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i shr23 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i e0 = eighths16(0), e4 = eighths16(4), e8 = eighths16(8), e12 = eighths16(12);
+    const int8_t *x8 = a->x8;
+    const float *xd = a->xd8;
+    const int32_t *bs = a->bs;
+    float precise = 0.0f;
+    for (int64_t s = 0; s < nsb; s++, w += 210, x8 += 256, bs += 16) {
+        if (a->precise[s]) {
+            precise += row_q6_k(w, a->xq + 256 * s, a->xd + 8 * s, a->xs + 8 * s, 8);
+            continue;
+        }
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192)); /* 16 int8 scales */
+        const __m256i off = _mm256_add_epi32(
+            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)bs)),
+            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)), _mm256_loadu_si256((const __m256i *)(bs + 8))));
+        const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+        __m512i sumi = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
+            const __m512i v01 = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                                _mm512_and_si512(_mm512_sllv_epi16(qh, shl01), m30));
+            const __m512i v23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                                _mm512_and_si512(_mm512_srlv_epi16(qh, shr23), m30));
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(v01, _mm512_loadu_si512((const void *)(x8 + 128 * h))),
+                                       _mm512_permutexvar_epi16(h ? e8 : e0, s16));
+            sumi = _mm512_dpwssd_epi32(sumi,
+                                       _mm512_maddubs_epi16(v23, _mm512_loadu_si512((const void *)(x8 + 128 * h + 64))),
+                                       _mm512_permutexvar_epi16(h ? e12 : e4, s16));
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(fp16_at(w + 208) * xd[s]), acc);
+    }
+    return _mm512_reduce_add_ps(acc) + precise;
+}
+#define GGUF_ROWK_Q4_K rowk512_q4_k
+#define GGUF_ROWK_Q6_K rowk512_q6_k
+#else
+#define GGUF_ROWK_Q4_K rowk_q4_k
+#define GGUF_ROWK_Q6_K rowk_q6_k
+#endif
+
 typedef float (*gguf_row_fn)(const uint8_t *, const int16_t *, const float *, const int32_t *, int64_t);
 typedef float (*gguf_rowk_fn)(const uint8_t *, const kx_t *, int64_t);
 
@@ -404,7 +521,7 @@ static inline gguf_row_fn gguf_row(int64_t type) {
 
 /* the row function of a K type (int8 activations per 256); NULL otherwise */
 static inline gguf_rowk_fn gguf_rowk(int64_t type) {
-    return type == T_Q4_K ? rowk_q4_k : type == T_Q6_K ? rowk_q6_k : NULL;
+    return type == T_Q4_K ? GGUF_ROWK_Q4_K : type == T_Q6_K ? GGUF_ROWK_Q6_K : NULL;
 }
 
 /* Dequantize one row (K weights) of type `type` into out (K,) fp32: the same values the `gguf` package's

@@ -18,7 +18,7 @@
  *     for the 4 rows.
  * Both give the same integer block sums; the 4-row tile sums them in fp32 in another order (16 lanes, one
  * accumulator per row): fp32 rounding. One row is bit for bit what it was before the tile existed.
- * Measured on the Zen 4 dev machine (its 512-bit units run a zmm op as two 256-bit halves; issue 30): for
+ * Measured on a Zen 4 machine (its 512-bit units run a zmm op as two 256-bit halves): for
  * one row of x a zmm loop took the same time as the AVX2 one (~0.8 ns per block from L1; a decode row is
  * bound by reading the weights, where only the prefetch below helps), so decode keeps the AVX2 loop; for
  * M >= 4 the 4-row tile takes ~0.8x the time. Output channels are read one weight row after another:
@@ -67,9 +67,11 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int16_t *xq, float 
 
 /* x (M, K) fp32 -> the K types' activations (as ggml's Q8_K): x8 (M, K) int8 and xd (M, K / 256) fp32 with
  * x ~= xd * x8 per block of 256 (xd = amax / 127, nearest, ties to even), bs (M, K / 16) int32, the sum of
- * each 16 of x8, and precise (M, K / 256): 1 where the block's amax > OUTLIER_RATIO * its RMS */
+ * each 16 of x8, and precise (M, K / 256): 1 where the block's amax > OUTLIER_RATIO * its RMS; x8q (M, K)
+ * the same bytes with the 32-blocks of each 256 in the order 0 2 1 3 4 6 5 7 (the order of Q4_K's nibbles
+ * in two 64-byte loads: gguf_blocks.h), b32 (M, K / 32) the sum of each 32 of x8 */
 static void quantize_xk(const float *x, int64_t M, int64_t K, int8_t *x8, float *xd, int32_t *bs,
-                        uint8_t *precise) {
+                        uint8_t *precise, int8_t *x8q, int32_t *b32) {
     for (int64_t i = 0; i < M * K / 256; i++) {
         const float *xb = x + i * 256;
         float amax = 0.0f, ss = 0.0f;
@@ -86,6 +88,11 @@ static void quantize_xk(const float *x, int64_t M, int64_t K, int8_t *x8, float 
             int32_t sum = 0;
             for (int j = 0; j < 16; j++) sum += x8[i * 256 + g * 16 + j];
             bs[i * 16 + g] = sum;
+        }
+        for (int g = 0; g < 8; g++) {
+            b32[i * 8 + g] = bs[i * 16 + 2 * g] + bs[i * 16 + 2 * g + 1];
+            /* sub-block g of 32 goes to place (g & 4) | (g & 1) << 1 | (g & 2) >> 1: order 0 2 1 3 4 6 5 7 */
+            memcpy(x8q + i * 256 + 32 * ((g & 4) | (g & 1) << 1 | (g & 2) >> 1), x8 + i * 256 + 32 * g, 32);
         }
     }
 }
@@ -114,8 +121,8 @@ static inline __m256 block_dot256(const int8_t *w, const int16_t *xq) {
 
 /* Software prefetch: every 64-byte line of weights is asked into L2 (_MM_HINT_T1) PF_AHEAD bytes before
  * it is read, once per weight row (by the first row of x), for K <= PF_MAX_K. A prefetch past the end of
- * the weights is harmless (it never faults). Measured on the Zen 4 dev machine, one thread, M = 1, against
- * no prefetch (issue 30): ~0.86-0.95x the time for K = 640-2048 (Gemma 3 270M's matrices and LM head),
+ * the weights is harmless (it never faults). Measured on a Zen 4 machine, one thread, M = 1, against
+ * no prefetch: ~0.86-0.95x the time for K = 640-2048 (Gemma 3 270M's matrices and LM head),
  * but 1.0-1.2x for K = 2560-4096, where the hardware prefetcher alone keeps up with memory. (K = 6912
  * and 10240 measured 0.8x and 0.5-0.6x with it; left to the hardware too until measured on a quiet
  * machine: one cut-off, never slower than without.)
@@ -235,7 +242,11 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
     float *xd8 = any_k ? malloc(M * nsb * sizeof(float)) : NULL;
     int32_t *bs = any_k ? malloc(M * (K / 16) * sizeof(int32_t)) : NULL;
     uint8_t *precise = any_k ? malloc(M * nsb) : NULL;
-    if (!xq || !xd || !xs || (any_k && (!x8 || !xd8 || !bs || !precise))) {
+    int8_t *x8q = any_k ? malloc(M * K) : NULL;
+    int32_t *b32 = any_k ? malloc(M * (K / 32) * sizeof(int32_t)) : NULL;
+    if (!xq || !xd || !xs || (any_k && (!x8 || !xd8 || !bs || !precise || !x8q || !b32))) {
+        free(x8q);
+        free(b32);
         free(precise);
         free(xq);
         free(xd);
@@ -247,7 +258,7 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
     }
     quantize_x(x, M, K, xq, xd, xs);
     if (any_k && M == 1) {
-        quantize_xk(x, M, K, x8, xd8, bs, precise);
+        quantize_xk(x, M, K, x8, xd8, bs, precise, x8q, b32);
     } else if (any_k) { /* several rows (a short prefill, a question segment): int16 per 32 throughout */
         memset(precise, 1, M * nsb);
     }
@@ -269,7 +280,7 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
             if (fnk[i]) {
                 for (int64_t m = 0; m < M; m++) {
                     const kx_t a = {x8 + m * K, xd8 + m * nsb, bs + m * (K / 16), precise + m * nsb,
-                                    xq + m * K, xd + m * nb, xs + m * nb};
+                                    xq + m * K, xd + m * nb, xs + m * nb, x8q + m * K, b32 + m * (K / 32)};
                     yn[m * N] = fnk[i](wn, &a, nsb);
                 }
                 continue;
@@ -296,6 +307,8 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
     free(xd8);
     free(bs);
     free(precise);
+    free(x8q);
+    free(b32);
     return 0;
 }
 
@@ -420,7 +433,7 @@ done:
  * over cache slots [lo, slot] (no mask: the caller checked that every one of them may be attended), and
  * ldqa_decode_attn_out. The same calls, in the same order, as the per-layer path (quant.FusedDecode +
  * Attention.attend), so the same numbers bit for bit; what it removes is Python between them (~0.1 ms a
- * layer: issue 30, session 27). Shared with Python (cpu_linear.StackLayer). */
+ * layer). Shared with Python (cpu_linear.StackLayer). */
 typedef struct {
     const float *norm_w;      /* input RMSNorm multiplier (hidden,) */
     const ldqa_mat *qkv;      /* 3 matrices */

@@ -36,7 +36,8 @@ HISTORY = re.compile("|".join(f"(?:{p})" for p in PATTERNS.values()))
 def checked_files() -> list[Path]:
     files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted(ROOT.glob("*.py"))]
     for pkg in PACKAGES:
-        files += sorted(p for p in (ROOT / pkg).rglob("*.py") if "__pycache__" not in p.parts)
+        files += sorted(p for p in (ROOT / pkg).rglob("*") if p.suffix in (".py", ".c", ".h")
+                        and "__pycache__" not in p.parts)
     return files
 
 
@@ -69,7 +70,8 @@ def test_patterns_pass_product_words(text):
 
 def test_checked_files_cover_the_product():
     names = {p.relative_to(ROOT).as_posix() for p in checked_files()}
-    assert {"README.md", "docs/kernels.md", "app/api.py", "attention/debias.py", "tests/test_no_history.py"} <= names
+    assert {"README.md", "docs/kernels.md", "app/api.py", "attention/debias.py", "tests/test_no_history.py",
+            "kernels/q8_0.c", "kernels/gguf_blocks.h"} <= names
     assert "docs/results.md" in names and not any(n.startswith(".venv/") for n in names)
 
 
