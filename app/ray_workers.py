@@ -9,7 +9,7 @@ once:
 
 - eval (`ldqa.eval.ray_eval`, built on this module): the driver builds the examples, reads
   ``predictions.sqlite`` and sends only the missing (example, mode) pairs; a worker answers each with
-  `harness.answer_one`, the call the single-process run makes; for the retrieval benchmark the driver
+  `answering.answer_one`, the call the single-process run makes; for the retrieval benchmark the driver
   retrieves first (milliseconds) and sends the passages (seconds of answering), so no worker needs the
   collection. The driver writes each row as it arrives.
 - ingest: a worker loads, chunks and embeds one group of 32 files (`retrieval.ingest.prepare_group`, the
@@ -296,19 +296,19 @@ def prepare_on_ray(ray, qa, workers: int | None, threads: int):
 
 class KVWorker:
     """A Ray actor of ``ldqa ingest --precompute-kv --ray``: a `LongDocQA` on the driver's store (reached
-    directly: one machine or a shared filesystem) encoding chunks' KV blocks into its ``kv/`` directory."""
+    directly: one machine or a shared filesystem) encoding chunks' KV blocks into its ``kv/`` directory.
+    qa_class: the driver's `LongDocQA` class (given by the caller, `precompute_on_ray`: this module sits
+    below `ldqa.app.api`, which imports it)."""
 
-    def __init__(self, store: str, probe_path: str, model_name: str, weights: str, kv_dtype: str, threads: int,
-                 chat_template: str = "auto"):
-        from ldqa.app.api import LongDocQA
-
+    def __init__(self, qa_class, store: str, probe_path: str, model_name: str, weights: str, kv_dtype: str,
+                 threads: int, chat_template: str = "auto"):
         if not reachable(probe_path):
             raise RuntimeError(f"--precompute-kv --ray: the store {store} is not visible on Ray node "
                                f"{os.uname().nodename}; put it on a filesystem every worker reaches, or "
                                "precompute without --ray")
         set_threads(threads)
-        self.qa = LongDocQA(store=store, model=model_name, weights=weights, kv_dtype=kv_dtype,
-                            chat_template=chat_template)  # the same prompt prefix as the driver's: the same block keys
+        self.qa = qa_class(store=store, model=model_name, weights=weights, kv_dtype=kv_dtype,
+                           chat_template=chat_template)  # the same prompt prefix as the driver's: the same block keys
 
     def encode(self, rows: list[dict]) -> int:
         """Encode and store the blocks of chunk `rows` (`LongDocQA.encode_rows`); returns how many were
@@ -317,15 +317,15 @@ class KVWorker:
 
 
 def precompute_on_ray(ray, qa, rows: list[dict], workers: int | None, threads: int, on_rows=None) -> int:
-    """Encode the KV blocks of chunk `rows` of `qa`'s collection on a pool of `KVWorker`s, 16 chunks a
-    task; on_rows(n) after each task (a progress bar). Returns the number of blocks computed. Raises
-    RuntimeError when a worker cannot reach the store."""
+    """Encode the KV blocks of chunk `rows` of `qa`'s collection on a pool of `KVWorker`s (each with a
+    `type(qa)` on the store), 16 chunks a task; on_rows(n) after each task (a progress bar). Returns the
+    number of blocks computed. Raises RuntimeError when a worker cannot reach the store."""
     if not rows:
         return 0
     batches = [rows[i:i + 16] for i in range(0, len(rows), 16)]
     with probe(qa.store.path) as probe_path:
-        pool = start_pool(ray, KVWorker, (str(qa.store.path.resolve()), probe_path, qa.model_name, qa.weights,
-                                          qa.kv_dtype, threads, qa.chat_template), workers, threads)
+        pool = start_pool(ray, KVWorker, (type(qa), str(qa.store.path.resolve()), probe_path, qa.model_name,
+                                          qa.weights, qa.kv_dtype, threads, qa.chat_template), workers, threads)
         computed = 0
         try:
             for i, n in pool.map_unordered(lambda actor, b: actor.encode.remote(b), batches):

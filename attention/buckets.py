@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from ldqa.attention.context import CAPACITY_SLACK, Context, PrefillMemo, exact_prefill
-from ldqa.attention.kv_cache import KVCache
+from ldqa.attention.context import Context, PrefillMemo, exact_prefill
+from ldqa.attention.kv_cache import CAPACITY_SLACK, KVCache
 from ldqa.attention.model import Transformer
 from ldqa.attention.segments import PromptSegments
 

@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ldqa.attention.debias import DebiasKV
+from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.segments import PromptSegments
 
-# Slots a context's cache holds beyond the prompt and the answer budget (max_new tokens): the decode loop
-# appends one token per step, and a stop may come one step late.
-CAPACITY_SLACK = 8
 # Bytes of KV cache copies a `PrefillMemo` keeps by default (least recently used first out).
 PREFILL_MEMO_BYTES = 256 << 20
 
@@ -112,8 +111,6 @@ def exact_prefill(model, fingerprint: str, prompt: PromptSegments, max_new: int,
     (with a shared start: that start's time included), so that latency reports can add it back (what a
     caller asking only this would have waited). Returns a Context with `queries` set.
     """
-    from ldqa.attention.debias import DebiasKV
-
     ids = prompt.ids()
     key = PrefillMemo.key(prompt, fingerprint, theta_scale)
     kept = memo.get(key) if memo is not None else None

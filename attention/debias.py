@@ -71,7 +71,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ldqa.attention.context import CAPACITY_SLACK
+from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.segments import passage_spans
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,9 @@ import torch
 from ldqa.attention.bias_curve import (Calibration, bias_cache_path, curve_key, estimate_bias,
                                        load_or_estimate_bias)
 from ldqa.attention.block_attention import BlockConfig
-from ldqa.attention.context import CAPACITY_SLACK, Context, PrefillMemo, exact_prefill, policy_prefill
+from ldqa.attention.context import Context, PrefillMemo, exact_prefill, policy_prefill
 from ldqa.attention.debias import DebiasConfig, DebiasStats
+from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.retrieval_attention import RetrievalConfig
 
 

@@ -10,6 +10,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+# Slots a context's cache holds beyond the prompt and the answer budget (max_new tokens): the decode loop
+# appends one token per step, and a stop may come one step late.
+CAPACITY_SLACK = 8
+
 
 @runtime_checkable
 class AttentionPolicy(Protocol):

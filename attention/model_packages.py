@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ldqa.attention.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 
@@ -96,8 +98,7 @@ def check_installed(name: str) -> None:
 
 
 def assembled_path(name: str) -> Path:
-    from ldqa.attention.loader import cache_root
-
+    """Where parted model `name`'s GGUF file is assembled: ``<cache>/gguf/<name>.gguf`` (`cache_dir.cache_root`)."""
     return cache_root() / "gguf" / f"{name}.gguf"
 
 

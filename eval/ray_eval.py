@@ -2,7 +2,8 @@
 
 The driver (`harness.run`) builds the examples, reads and writes ``predictions.sqlite`` and shows the
 progress bar; `eval_rows` sends each missing (example, mode) to an `EvalWorker`, which answers it with
-`harness.answer_one` as the single-process run does (retrieval benchmark: retrieved on the driver first).
+`answering.answer_one` as the single-process run does (retrieval benchmark: retrieved on the driver first,
+with the driver's `retrieve`). The harness imports this module, never the reverse.
 What runs where, KV blocks across workers, and why an actor pool: `ldqa.app.ray_workers`.
 """
 
@@ -13,13 +14,14 @@ import tempfile
 from pathlib import Path
 
 from ldqa.app.ray_workers import set_threads, connected, probe, reachable, start_pool
+from ldqa.eval.answering import HFReference, answer_one
 
 log = logging.getLogger(__name__)
 
 
 class EvalWorker:
     """A Ray actor of ``ldqa eval --ray``: one `LongDocQA` (the LLM loaded once) answering examples with
-    `harness.answer_one`. store: the driver's store directory, used for its KV blocks when `probe` is
+    `answering.answer_one`. store: the driver's store directory, used for its KV blocks when `probe` is
     reachable, else a temporary one of this worker's."""
 
     def __init__(self, cfg, store: str, probe_path: str, max_new: int, threads: int):
@@ -35,22 +37,20 @@ class EvalWorker:
         self.qa.llm  # noqa: B018  (load now, not in the first answer)
 
     def answer(self, ex: dict, mode) -> dict:
-        """The result row of `ex` in `mode` (`harness.answer_one`)."""
-        from ldqa.eval.harness import HFReference, answer_one
-
+        """The result row of `ex` in `mode` (`answering.answer_one`)."""
         if mode.attention == "hf" and self.hf is None:
             self.hf = HFReference(self.qa.llm)
         return answer_one(self.qa, self.hf, self.cfg, ex, mode, self.max_new)
 
 
-def eval_rows(cfg, qa, todo: list, max_new: int, info: dict):
+def eval_rows(cfg, qa, todo: list, max_new: int, info: dict, retrieve):
     """Yields (example, mode, row) for each (example, mode) of `todo`, answered on a Ray pool (`cfg.ray`,
     `cfg.workers`, `cfg.threads_per_worker`) as the workers finish; the caller (`harness.run`) writes
-    them. For the retrieval benchmark the passages are retrieved here, on the driver. Fills `info` with
-    {"workers", "threads_per_worker", "workers_lost"}. Raises RuntimeError without Ray."""
+    them. For the retrieval benchmark the passages are retrieved here, on the driver, with
+    retrieve(qa, cfg, example, mode) -> the example with its passages (the harness's
+    `answering.retrieve_for`). Fills `info` with {"workers", "threads_per_worker", "workers_lost"}.
+    Raises RuntimeError without Ray."""
     from dataclasses import replace
-
-    from ldqa.eval.harness import retrieve_for
 
     with connected(cfg.ray) as ray, probe(qa.store.path) as probe_path:
         model = cfg.model if cfg.model is None or not Path(cfg.model).exists() else str(Path(cfg.model).resolve())
@@ -61,7 +61,7 @@ def eval_rows(cfg, qa, todo: list, max_new: int, info: dict):
         def call(actor, item):
             ex, m = item
             if cfg.benchmark == "retrieval":
-                ex = retrieve_for(qa, cfg, ex, m)
+                ex = retrieve(qa, cfg, ex, m)
             return actor.answer.remote(ex, m)
 
         info.update(workers=len(pool.actors), threads_per_worker=cfg.threads_per_worker, workers_lost=0)

@@ -14,7 +14,8 @@ import pytest
 from ldqa.app.api import LongDocQA
 from ldqa.app.cli import main
 from ldqa.eval import harness
-from ldqa.eval.harness import Mode, gold_positions, parse_modes, rank_metrics
+from ldqa.eval.answering import rank_metrics
+from ldqa.eval.harness import Mode, gold_positions, parse_modes
 from ldqa.eval.metrics import best_subspan_em, exact_match, normalize_answer, token_f1
 
 

@@ -1,5 +1,5 @@
 """`ldqa eval jsonl --retriever R --top-k K`: each record's context indexed as its own collection and
-answered as `LongDocQA.ask` would (ldqa.eval.harness.answer_from_collection), with a random-weight Gemma 3
+answered as `LongDocQA.ask` would (ldqa.eval.answering.answer_from_collection), with a random-weight Gemma 3
 (answers are noise; what is checked is where the passages come from, how many, the gold-in-retrieved
 measure, the cache keys, resuming and the errors)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ldqa.app.cli import main
-from ldqa.eval import harness
+from ldqa.eval import answering, harness
 from ldqa.eval.harness import EvalConfig, Mode, mode_cache_key, parse_modes, settings_hash
 from ldqa.eval.metrics import answer_in_passages
 
@@ -83,9 +83,9 @@ def test_modes_and_cache_keys(data):
     assert settings_hash(cfg, "fp", 8) != settings_hash(EvalConfig("jsonl", str(data), retriever="hybrid", top_k=3),
                                                         "fp", 8)
     # the collection directory: keyed by the context's hash and the settings; same context -> same dir
-    d1 = harness.collection_dir(Path("/c"), "ab" * 32, "m")
-    assert d1 == harness.collection_dir(Path("/c"), "ab" * 32, "m") != harness.collection_dir(Path("/c"), "cd" * 32, "m")
-    assert d1 != harness.collection_dir(Path("/c"), "ab" * 32, "another-tokenizer")
+    d1 = answering.collection_dir(Path("/c"), "ab" * 32, "m")
+    assert d1 == answering.collection_dir(Path("/c"), "ab" * 32, "m") != answering.collection_dir(Path("/c"), "cd" * 32, "m")
+    assert d1 != answering.collection_dir(Path("/c"), "ab" * 32, "another-tokenizer")
     assert d1.name.startswith("ab" * 8 + "-")
 
 
@@ -186,12 +186,12 @@ def test_chunking_and_abstention_options(tmp_path, tiny_model_dir, data):
     chunks when smaller); --abstain-below reaches `ask` (1.0: every question refused without the model, 0:
     never); the defaults keep the keys they had."""
     cfg = EvalConfig("jsonl", str(data), retriever="bm25")
-    assert harness.collection_settings(cfg) == harness.collection_settings()
+    assert answering.collection_settings(cfg) == answering.collection_settings()
     small = EvalConfig("jsonl", str(data), retriever="bm25", chunk_tokens=96, overlap_tokens=16)
-    assert harness.collection_settings(small)["chunk_tokens"] == 96
+    assert answering.collection_settings(small)["chunk_tokens"] == 96
     m = Mode("full", "none", "bm25", collection=True)
     assert mode_cache_key(m, cfg=cfg) == mode_cache_key(m) != mode_cache_key(m, cfg=small)
-    assert harness.collection_dir(Path("/c"), "ab" * 32, "m", small) != harness.collection_dir(Path("/c"), "ab" * 32, "m")
+    assert answering.collection_dir(Path("/c"), "ab" * 32, "m", small) != answering.collection_dir(Path("/c"), "ab" * 32, "m")
     model = tiny_model_dir("gemma3")
     out = tmp_path / "o"
     base = _run(data, out, model, "--retriever", "bm25", "--top-k", "1", "--abstain-below", "0")
@@ -217,7 +217,7 @@ def test_collection_lock_serializes_answers_over_one_record(tmp_path):
     events = []
 
     def answer(name, hold):
-        with harness.collection_lock(tmp_path):
+        with answering.collection_lock(tmp_path):
             events.append(("start", name))
             time.sleep(hold)
             events.append(("end", name))
@@ -230,6 +230,6 @@ def test_collection_lock_serializes_answers_over_one_record(tmp_path):
     a.join()
     b.join()
     assert events == [("start", "a"), ("end", "a"), ("start", "b"), ("end", "b")]
-    with harness.collection_lock(tmp_path / "other"):  # another record: its own lock, free
-        with harness.collection_lock(tmp_path / "third"):
+    with answering.collection_lock(tmp_path / "other"):  # another record: its own lock, free
+        with answering.collection_lock(tmp_path / "third"):
             pass

@@ -1,6 +1,7 @@
 """Dependencies point one way: retrieval <- indexes <- attention <- app <- eval, with the CLI
-and UI as shells over app and eval. Checked by reading every module's imports with `ast` (function-level
-imports included), so a lazy import cannot slip an upward dependency in."""
+and UI as shells over app and eval, and no two ldqa modules depend on each other (no import cycle, of any
+length, within a package or across packages). Checked by reading every module's imports with `ast`
+(function-level imports included), so a lazy import cannot slip an upward dependency or a cycle in."""
 
 from __future__ import annotations
 
@@ -46,7 +47,131 @@ def ldqa_imports(path: Path, pkg: tuple[str, ...] | None = None) -> list[tuple[i
 
 
 def _modules(package: str) -> list[Path]:
+    """The package's modules, less the bundled sample's helpers."""
     return sorted(p for p in (ROOT / package).rglob("*.py") if "sample" not in p.parts)
+
+
+# installed package -> its folder under ROOT (pyproject.toml's package-dir)
+PACKAGE_DIRS = {"ldqa": "ldqa", "ldqa.app": "app", "ldqa.retrieval": "retrieval", "ldqa.indexes": "indexes",
+                "ldqa.attention": "attention", "ldqa.kernels": "kernels", "ldqa.eval": "eval"}
+
+
+def module_files(root: Path = ROOT, dirs: dict | None = None) -> dict[str, Path]:
+    """Dotted ldqa module name -> its file, for every .py of the packages (a package's __init__.py is the
+    package's own name)."""
+    out = {}
+    for package, folder in (PACKAGE_DIRS if dirs is None else dirs).items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            if "__pycache__" in parts:
+                continue
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            out[".".join((package, *parts))] = path
+    return out
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """module -> {ldqa module it imports: line of the first such import}, from every import statement of
+    its file (function-level ones included). `from P import name` counts as an import of the module P.name
+    when that is a module, else of P; `import a.b.c` as an import of the longest of a.b.c, a.b, a that is
+    a module; relative imports are resolved against the importing module's package."""
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            for target in targets:
+                parts = target.split(".")
+                found = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in files),
+                             None)
+                if found is not None and found != name:
+                    edges.setdefault(found, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle [m1, m2, ..., m1] per group of modules that import each other (a strongly connected
+    component of `graph`, Tarjan's algorithm), starting at the group's first module by name."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for group in groups:  # a shortest way from the group's first module back to it, inside the group
+        start = min(group)
+        paths = {start: [start]}
+        queue = [start]
+        while queue:
+            v = queue.pop(0)
+            for w in sorted(graph[v]):
+                if w == start:
+                    cycles.append(paths[v] + [start])
+                    queue = []
+                    break
+                if w in group and w not in paths:
+                    paths[w] = paths[v] + [w]
+                    queue.append(w)
+    return sorted(cycles)
+
+
+def test_no_import_cycles():
+    graph = import_graph(module_files())
+    cycles = import_cycles(graph)
+    assert not cycles, "ldqa modules that import each other (module:line of each import):\n" + "\n".join(
+        " -> ".join(f"{a} ({module_files()[a].relative_to(ROOT)}:{graph[a][b]})" for a, b in zip(c, c[1:]))
+        + f" -> {c[-1]}" for c in cycles)
+
+
+def test_the_cycle_finder_sees_lazy_relative_and_long_cycles(tmp_path):
+    """The rule must be able to fail: a cycle through a function-level import, a relative import and three
+    modules of two packages is found and named; modules that only import downwards are not."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "__init__.py").write_text("")
+    (tmp_path / "a" / "one.py").write_text("from .two import X\n")
+    (tmp_path / "a" / "two.py").write_text("def f():\n    from ldqa.b import three\n")
+    (tmp_path / "b" / "three.py").write_text("import ldqa.a.one\n")
+    (tmp_path / "b" / "low.py").write_text("")
+    (tmp_path / "b" / "high.py").write_text("from ldqa.b import low\nfrom ldqa.a import two\n")
+    graph = import_graph(module_files(tmp_path, {"ldqa.a": "a", "ldqa.b": "b"}))
+    assert graph["ldqa.a.two"] == {"ldqa.b.three": 2} and graph["ldqa.b.high"] == {"ldqa.b.low": 1, "ldqa.a.two": 2}
+    assert import_cycles(graph) == [["ldqa.a.one", "ldqa.a.two", "ldqa.b.three", "ldqa.a.one"]]
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ldqa.app import ray_workers
+from ldqa.app.api import LongDocQA
 from ldqa.app.cli import main
 from ldqa.eval import harness, ray_eval
 
@@ -271,6 +272,7 @@ def test_a_worker_that_cannot_see_the_store_keeps_its_kv_blocks_in_its_own(tiny_
         worker = ray_eval.EvalWorker(cfg, str(tmp_path / "store"), probe_path, 4, 1)
         assert worker.qa.store.path.name.startswith("ldqa-ray-store-") and not (tmp_path / "store").exists()
         with pytest.raises(RuntimeError, match="not visible on Ray node .* filesystem every worker reaches"):
-            ray_workers.KVWorker(str(tmp_path / "store"), probe_path, str(tiny_model_dir("gemma3")), "fp32", "fp32", 1)
+            ray_workers.KVWorker(LongDocQA, str(tmp_path / "store"), probe_path, str(tiny_model_dir("gemma3")), "fp32",
+                                 "fp32", 1)
     finally:
         torch.set_num_threads(threads)
