@@ -48,16 +48,19 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int16_t *xq, float 
     const int64_t nb = K / QK;
     for (int64_t i = 0; i < M * nb; i++) {
         const float *xb = x + i * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            const float a = xb[j] < 0 ? -xb[j] : xb[j];
-            amax = a > amax ? a : amax;
-        }
+        const float amax = amax_floats(xb, QK);
         const float dx = amax / 32767.0f, inv = amax > 0 ? 32767.0f / amax : 0.0f;
         xd[i] = dx;
-        int32_t sum = 0;
-        for (int j = 0; j < QK; j++) sum += xq[i * QK + j] = (int16_t)__builtin_lrintf(xb[j] * inv);
-        xs[i] = sum;
+        /* x * inv rounded to nearest, ties to even (the default MXCSR rounding: lrintf's), |values| <= 32767 */
+        const __m256 vinv = _mm256_set1_ps(inv);
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < QK; j += 16) {
+            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), vinv));
+            const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8), vinv));
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(a, b));
+            _mm256_storeu_si256((__m256i *)(xq + i * QK + j), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+        }
+        xs[i] = hsum256_epi32(sum);
     }
 }
 
@@ -72,22 +75,27 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int16_t *xq, float 
  * in two 64-byte loads: gguf_blocks.h), b32 (M, K / 32) the sum of each 32 of x8 */
 static void quantize_xk(const float *x, int64_t M, int64_t K, int8_t *x8, float *xd, int32_t *bs,
                         uint8_t *precise, int8_t *x8q, int32_t *b32) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* packs' lane interleave undone */
     for (int64_t i = 0; i < M * K / 256; i++) {
         const float *xb = x + i * 256;
-        float amax = 0.0f, ss = 0.0f;
-        for (int j = 0; j < 256; j++) {
-            const float a = xb[j] < 0 ? -xb[j] : xb[j];
-            amax = a > amax ? a : amax;
-            ss += xb[j] * xb[j];
+        __m256 vmax = _mm256_setzero_ps(), vss = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 8) {
+            const __m256 v = _mm256_loadu_ps(xb + j);
+            vmax = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), vmax);
+            vss = _mm256_fmadd_ps(v, v, vss);
         }
+        const float amax = hmax256(vmax), ss = hsum256(vss);
         precise[i] = amax * amax > OUTLIER_RATIO * OUTLIER_RATIO * (ss / 256.0f);
         const float inv = amax > 0 ? 127.0f / amax : 0.0f;
         xd[i] = amax / 127.0f;
-        for (int j = 0; j < 256; j++) x8[i * 256 + j] = (int8_t)__builtin_lrintf(xb[j] * inv);
-        for (int g = 0; g < 16; g++) {
-            int32_t sum = 0;
-            for (int j = 0; j < 16; j++) sum += x8[i * 256 + g * 16 + j];
-            bs[i * 16 + g] = sum;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (int j = 0; j < 256; j += 32) {
+            __m256i q[4];
+            for (int t = 0; t < 4; t++) q[t] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8 * t), vinv));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(x8 + i * 256 + j), _mm256_permutevar8x32_epi32(bytes, order));
+            bs[i * 16 + j / 16] = hsum256_epi32(_mm256_add_epi32(q[0], q[1]));
+            bs[i * 16 + j / 16 + 1] = hsum256_epi32(_mm256_add_epi32(q[2], q[3]));
         }
         for (int g = 0; g < 8; g++) {
             b32[i * 8 + g] = bs[i * 16 + 2 * g] + bs[i * 16 + 2 * g + 1];
@@ -222,12 +230,13 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
     int64_t start[MAX_MATS + 1], row_bytes[MAX_MATS];
     gguf_row_fn fn[MAX_MATS];
     gguf_rowk_fn fnk[MAX_MATS];
-    int any_k = 0;
+    int any_k = 0, all_k = 1;
     start[0] = 0;
     for (int i = 0; i < nm; i++) {
         fn[i] = gguf_row(mats[i].type);
         fnk[i] = gguf_rowk(mats[i].type);
         any_k |= fnk[i] != NULL;
+        all_k &= fnk[i] != NULL;
         row_bytes[i] = gguf_row_bytes(mats[i].type, K);
         if (!row_bytes[i] || (mats[i].type == T_Q8_0 && !mats[i].d) || (mats[i].type != T_Q8_0 && !fn[i] && !fnk[i]))
             return 1;
@@ -256,11 +265,17 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
         free(bs);
         return 2;
     }
-    quantize_x(x, M, K, xq, xd, xs);
     if (any_k && M == 1) {
         quantize_xk(x, M, K, x8, xd8, bs, precise, x8q, b32);
-    } else if (any_k) { /* several rows (a short prefill, a question segment): int16 per 32 throughout */
-        memset(precise, 1, M * nsb);
+        if (all_k) { /* the int16 form only where a super-block reads it */
+            for (int64_t s = 0; s < nsb; s++)
+                if (precise[s]) quantize_x(x + 256 * s, 1, 256, xq + 256 * s, xd + 8 * s, xs + 8 * s);
+        } else {
+            quantize_x(x, M, K, xq, xd, xs);
+        }
+    } else {
+        quantize_x(x, M, K, xq, xd, xs);
+        if (any_k) memset(precise, 1, M * nsb); /* several rows (a short prefill, a question segment): int16 */
     }
     const int pf = K <= PF_MAX_K;
 #pragma omp parallel num_threads(threads)
