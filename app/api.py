@@ -12,20 +12,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from ldqa.app.chat import CHAT_INSTRUCTION, check_chat_template, split_citations
 from ldqa.app.citations import Citation, cite
 from ldqa.app.prompt import STOP_STRINGS, build_prompt, check_prompt_options
 from ldqa.retrieval.ingest import FileResult, IngestReport, ingest_files, progress_bar  # noqa: F401  (re-exported)
 
+if TYPE_CHECKING:
+    from ldqa.attention.block_attention import PrefillStats
+    from ldqa.attention.debias import DebiasStats
+    from ldqa.attention.retrieval_attention import RetrievalStats
+
 log = logging.getLogger(__name__)
 
 RETRIEVERS = ("hybrid", "dense", "bm25")
-# the attention settings shown before the prompt options in `Answer.settings` (the rest come after "kv_dtype")
-_HEAD_KEYS = ("debias", "debias_orders", "debias_calibration", "debias_strength", "block_headers")
+ABSTAINED = "abstained"  # the stop reason of an answer the model was not asked for (`Timings.stop_reason`)
 DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collection sets one
 # What `ask`/`stream`/`answer`, `ldqa ask`/`demo` and the web app answer with when the user names nothing:
 # chosen by the defaults study (`python -m ldqa.eval.bench_defaults`; docs/defaults.md), accuracy first,
@@ -72,17 +77,140 @@ def repeats_itself(text: str, n: int = 4, below: float = 0.25) -> bool:
     return len(set(grams)) < below * len(grams)
 
 
+class _ReadByKey(Mapping):
+    """Read access by the keys of `to_dict` (``timings["kv_hits"]``, ``"abstained" in settings``,
+    ``sorted(timings)``), for code that reads an answer's JSON form by name."""
+
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
+
+    def __iter__(self):
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+
+@dataclass(kw_only=True)
+class Timings(_ReadByKey):
+    """What one answer cost (times in ms): `Answer.timings`.
+
+    retrieval_ms: the passage search; prefill_ms, ttft_ms (prefill + first token), decode_ms, tokens_per_s
+    (decode throughput), prompt_tokens, generated_tokens, stop_reason ("eos", "stop_string",
+    "max_new_tokens", or `ABSTAINED` when the model was not asked), total_ms: the generation's; the typed
+    records of the attention that ran: retrieval_stats (attention="retrieval"'s `RetrievalStats`),
+    block_stats (the block runtime's `PrefillStats`; None for an exact prefill, which computes every
+    prompt token), debias_stats (`DebiasStats`; None without debiasing); reused_prefill_ms: the time of
+    exact prefills reused from the memo (0 when none; None for an abstention, which prefills nothing).
+    `to_dict` flattens them into the JSON form (keys in `Answer`'s docstring).
+    """
+
+    retrieval_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    tokens_per_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    stop_reason: str = ""
+    total_ms: float = 0.0
+    retrieval_stats: RetrievalStats | None = None
+    block_stats: PrefillStats | None = None
+    debias_stats: DebiasStats | None = None
+    reused_prefill_ms: float | None = None
+
+    @property
+    def tokens_reused(self) -> int:
+        """Prompt tokens whose KV states came from stored blocks (block modes; 0 otherwise)."""
+        return self.block_stats.tokens_reused if self.block_stats is not None else 0
+
+    @property
+    def tokens_computed(self) -> int:
+        """Prompt tokens run through the model (all of them for an exact prefill)."""
+        return self.block_stats.tokens_computed if self.block_stats is not None else self.prompt_tokens
+
+    def to_dict(self) -> dict:
+        """The flat JSON form: the generation's keys, then each record's `to_dict` (retrieval attention,
+        block runtime or tokens_reused/tokens_computed, debiasing), then reused_prefill_ms."""
+        out = {"retrieval_ms": self.retrieval_ms, "prefill_ms": self.prefill_ms, "ttft_ms": self.ttft_ms,
+               "decode_ms": self.decode_ms, "tokens_per_s": self.tokens_per_s, "prompt_tokens": self.prompt_tokens,
+               "generated_tokens": self.generated_tokens, "stop_reason": self.stop_reason}
+        if self.stop_reason == ABSTAINED:  # nothing prefilled: the token counts, then the total
+            return out | {"tokens_reused": 0, "tokens_computed": 0, "total_ms": self.total_ms}
+        out["total_ms"] = self.total_ms
+        if self.retrieval_stats is not None:
+            out |= self.retrieval_stats.to_dict()
+        if self.block_stats is not None:
+            out |= self.block_stats.to_dict()
+        else:
+            out |= {"tokens_reused": 0, "tokens_computed": self.prompt_tokens}
+        if self.debias_stats is not None:
+            out |= self.debias_stats.to_dict()
+        if self.reused_prefill_ms is not None:
+            out.setdefault("reused_prefill_ms", self.reused_prefill_ms)
+        return out
+
+
+@dataclass(kw_only=True)
+class Settings(_ReadByKey):
+    """What an answer was asked with, the defaults filled in: `Answer.settings`.
+
+    top_k, retriever ("given" for `LongDocQA.answer`); the attention options (`AttentionConfig.settings`):
+    debias, debias_orders / debias_calibration / debias_strength (the calibrate methods), block_headers
+    and block_anchors (block modes), retrieval (attention="retrieval"'s `RetrievalConfig` as a dict),
+    recompute_ratio and recompute_select (block+recompute); the prompt options that differ from the
+    default (instruction, answer_prefix); the abstention check (abstain_below, best_dense_score,
+    abstained); attention, model, weights, kv_dtype, chat_template ("model" or "none"); the prompt
+    budget (max_new_tokens, context_length: the model's window, passages_dropped); bucket_scales
+    (debias="buckets"); attention_used and fallback_reason when block reuse is off. None: does not apply
+    (left out of `to_dict`, whose keys follow the field order).
+    """
+
+    top_k: int
+    retriever: str
+    debias: str | None = None
+    debias_orders: int | None = None
+    debias_calibration: str | None = None
+    debias_strength: float | None = None
+    block_headers: str | None = None
+    instruction: str | None = None
+    answer_prefix: str | None = None
+    abstain_below: float | None = None
+    best_dense_score: float | None = None
+    abstained: bool | None = None
+    attention: str
+    model: str
+    weights: str
+    kv_dtype: str
+    chat_template: str | None = None
+    retrieval: dict | None = None
+    recompute_ratio: float | None = None
+    recompute_select: str | list | None = None
+    block_anchors: bool | None = None
+    max_new_tokens: int | None = None
+    context_length: int | None = None
+    passages_dropped: int | None = None
+    bucket_scales: list | None = None
+    attention_used: str | None = None
+    fallback_reason: str | None = None
+
+    def to_dict(self) -> dict:
+        """The JSON form: every field that applies (not None), in field order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
 @dataclass
 class Answer:
     """A cited answer.
 
     text: the answer; citations: Citation per cited passage; passages: the retrieved passages given to
-    the model, in prompt order ([1]..[k]); timings: retrieval_ms, prefill_ms, ttft_ms (prefill + first
-    token, ms), decode_ms, tokens_per_s (decode throughput), prompt_tokens, generated_tokens, total_ms;
-    settings: what was asked for, with the defaults filled in (top_k, retriever, attention, model,
+    the model, in prompt order ([1]..[k]); timings (`Timings`): retrieval_ms, prefill_ms, ttft_ms (prefill
+    + first token, ms), decode_ms, tokens_per_s (decode throughput), prompt_tokens, generated_tokens, total_ms;
+    settings (`Settings`): what was asked for, with the defaults filled in (top_k, retriever, attention, model,
     recompute_ratio in block+recompute, block_headers in block modes, debias, and debias_orders,
     debias_calibration and debias_strength with the calibrate methods); when block reuse is off (its
-    RoPE self-check failed) `attention_used` says "full" and `fallback_reason` why.
+    RoPE self-check failed) `attention_used` says "full" and `fallback_reason` why. `to_dict` gives the
+    JSON form, where timings is one flat dict with these keys:
     timings also has tokens_reused / tokens_computed and, in block modes, kv_hits, kv_misses,
     kv_hit_rate, assemble_ms, encode_ms (with debiasing the lookups and encode_ms are the first context
     build's, which met the store as the question found it). With `debias` other than "none": debias_ms
@@ -91,55 +219,58 @@ class Answer:
     and that time is also in debias_ms and ttft_ms); "calibrate",
     "calibrate+reorder" and "sort" add passage_attention (k,) (attention mass from the question to
     each passage, as last measured) and the first two calibrated_relevance (k,) and passage_weights
-    (k,) (the intervention's scale per passage), and with settings["debias_orders"] == 2
+    (k,) (the intervention's scale per passage), and with settings.debias_orders == 2
     passage_attention_reversed (k,) (each passage's mass measured with the order reversed). These
     per-passage lists follow `passages` (the final order).
-    Prompt budget: settings["context_length"] is the model's window (tokens) and
-    settings["passages_dropped"] how many of the lowest-ranked passages were left out so that the prompt
+    Prompt budget: settings.context_length is the model's window (tokens) and
+    settings.passages_dropped how many of the lowest-ranked passages were left out so that the prompt
     plus the answer budget (max_new_tokens) fit it (`ldqa.app.prompt.fit_passages`); `passages` holds
-    only those given to the model. settings["max_new_tokens"]: the answer budget used; `truncated`: the
-    answer stopped there (timings["stop_reason"] == "max_new_tokens"), not at its end.
+    only those given to the model. settings.max_new_tokens: the answer budget used; `truncated`: the
+    answer stopped there (timings.stop_reason == "max_new_tokens"), not at its end.
     """
 
     question: str
     text: str
     citations: list[Citation]
     passages: list
-    timings: dict
-    settings: dict
+    timings: Timings
+    settings: Settings
 
     @property
     def truncated(self) -> bool:
         """Whether generation stopped at max_new_tokens (the answer may be cut short)."""
-        return self.timings.get("stop_reason") == "max_new_tokens"
+        return self.timings.stop_reason == "max_new_tokens"
 
     @property
     def notice(self) -> str:
         """What a reader should know about how this answer was made ("" when nothing): a cut answer, or
         passages left out to fit the model's window."""
         parts = []
+        s = self.settings
         if self.truncated and repeats_itself(self.text):
-            parts.append(f"the answer ran to max_new_tokens={self.settings.get('max_new_tokens')} tokens repeating "
+            parts.append(f"the answer ran to max_new_tokens={s.max_new_tokens} tokens repeating "
                          "itself: the model derailed (a longer budget will not help; try --attention full, or "
                          "rephrase)")
         elif self.truncated:
-            parts.append(f"the answer was cut at max_new_tokens={self.settings.get('max_new_tokens')} tokens "
+            parts.append(f"the answer was cut at max_new_tokens={s.max_new_tokens} tokens "
                          "(raise max_new_tokens for a longer one)")
-        if self.settings.get("abstained"):
+        if s.abstained:
             parts.append(f"no passage is close enough to the question (best similarity "
-                         f"{self.settings['best_dense_score']:.2f} < {self.settings['abstain_below']}), so the model "
+                         f"{s.best_dense_score:.2f} < {s.abstain_below}), so the model "
                          "was not asked; rephrase, or ask anyway with --abstain-below 0 (API: abstain_below=None)")
-        dropped = self.settings.get("passages_dropped", 0)
+        dropped = s.passages_dropped or 0
         if dropped:
             parts.append(f"{dropped} lowest-ranked passage{'s' if dropped > 1 else ''} left out to fit the "
-                         f"model's context window of {self.settings.get('context_length')} tokens")
+                         f"model's context window of {s.context_length} tokens")
         return "; ".join(parts)
 
     def to_dict(self) -> dict:
+        """The JSON form (`ldqa ask --json`): text, citations, passages, timings and settings as dicts,
+        truncated and notice."""
         return {"question": self.question, "text": self.text,
                 "citations": [c.to_dict() for c in self.citations],
-                "passages": [asdict(p) for p in self.passages], "timings": self.timings,
-                "settings": self.settings, "truncated": self.truncated, "notice": self.notice}
+                "passages": [asdict(p) for p in self.passages], "timings": self.timings.to_dict(),
+                "settings": self.settings.to_dict(), "truncated": self.truncated, "notice": self.notice}
 
 
 class AnswerStream:
@@ -180,7 +311,7 @@ class LongDocQA:
     kv_dtype : "fp32" (default) or "bf16", the in-memory KV cache's dtype.
     chat_template : "auto" (default: a model that ships a chat template, an instruct model, is prompted
         through it and its answer ends at the template's end-of-turn token; `ldqa.app.chat`) or "none"
-        (every model gets the base-model prompt). `Answer.settings["chat_template"]` says which was used
+        (every model gets the base-model prompt). `Answer.settings.chat_template` says which was used
         ("model" or "none").
 
     The model is checked here, cheaply (no weights read): its file or directory exists and reads, and its
@@ -485,12 +616,12 @@ class LongDocQA:
         abstain_below: when no retrieved passage has a dense cosine similarity of at least this value
         (dense and hybrid retrieval; bm25 has no such score), the answer is `prompt.ABSTAIN_PHRASE`
         ("Not found in the documents.") with the passages it looked at and no citation, and the LLM does
-        not run (settings["abstained"], settings["best_dense_score"]); None or 0 turns it off. Default
+        not run (settings.abstained, settings.best_dense_score); None or 0 turns it off. Default
         `ABSTAIN_BELOW` (0.25, measured; see there).
         The prompt is counted in the model's tokens before anything is computed: the question (with the
         instruction and max_new_tokens) before retrieval, with the best passage before the abstain_below
         check; when the whole prompt and max_new_tokens do not fit the model's window, the lowest-ranked
-        passages are left out (settings["passages_dropped"]).
+        passages are left out (settings.passages_dropped).
         Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting,
         instruction/answer_prefix not strings), PromptTooLongError (a ValueError: the question with the
         instruction and max_new_tokens does not fit the model's window, or leaves no room for one
@@ -629,13 +760,10 @@ class LongDocQA:
 
     def _answer_stream(self, question, passages, cfg, max_new, retrieval_ms, base, extra, t0):
         """The Answer's stream for a resolved AttentionConfig `cfg`; `base` (top_k, retriever) and `extra`
-        (prompt options, abstention) settings go around the attention settings, in the public order."""
-        att = cfg.settings()
-        settings = {**base, **{k: att[k] for k in _HEAD_KEYS if k in att}, **extra, "attention": cfg.mode,
-                    "model": self.model_name, "weights": self.weights, "kv_dtype": self.kv_dtype,
-                    "chat_template": "model" if self.chat_format(extra.get("instruction")) else "none",
-                    **{k: att[k] for k in ("retrieval", "recompute_ratio", "recompute_select", "block_anchors")
-                       if k in att}}
+        (prompt options, abstention): `Settings` keywords, beside the attention settings."""
+        settings = Settings(**base, **cfg.settings(), **extra, attention=cfg.mode, model=self.model_name,
+                            weights=self.weights, kv_dtype=self.kv_dtype,
+                            chat_template="model" if self.chat_format(extra.get("instruction")) else "none")
         max_new = max_new or self.max_new_tokens
         passages = self._fit_window(question, passages, max_new, settings)
         if cfg.block.anchors:
@@ -650,13 +778,10 @@ class LongDocQA:
         from ldqa.app.prompt import ABSTAIN_PHRASE
 
         d = given.debias
-        head = {"debias": d.method, "debias_orders": d.orders, "debias_calibration": d.calibration,
-                "debias_strength": d.strength, "block_headers": given.block.headers}
-        settings = {**base, **{k: v for k, v in head.items() if v is not None}, **extra, "attention": given.mode,
-                    "model": self.model_name, "weights": self.weights, "kv_dtype": self.kv_dtype}
-        timings = {"retrieval_ms": retrieval_ms, "prefill_ms": 0.0, "ttft_ms": 0.0, "decode_ms": 0.0,
-                   "tokens_per_s": 0.0, "prompt_tokens": 0, "generated_tokens": 0, "stop_reason": "abstained",
-                   "tokens_reused": 0, "tokens_computed": 0, "total_ms": _ms(t0)}
+        settings = Settings(**base, debias=d.method, debias_orders=d.orders, debias_calibration=d.calibration,
+                            debias_strength=d.strength, block_headers=given.block.headers, **extra,
+                            attention=given.mode, model=self.model_name, weights=self.weights, kv_dtype=self.kv_dtype)
+        timings = Timings(retrieval_ms=retrieval_ms, stop_reason=ABSTAINED, total_ms=_ms(t0))
         stream = AnswerStream(iter([ABSTAIN_PHRASE]))
         stream.answer = Answer(question, ABSTAIN_PHRASE, [], passages, timings, settings)
         return stream
@@ -680,9 +805,10 @@ class LongDocQA:
         llm = self.llm
         window = int(llm.model.cfg.max_position_embeddings)
         kept, _, n_prompt = fit_passages(llm.tokenizer, passages, question, window, max_new,
-                                         settings.get("instruction"), settings.get("answer_prefix", ""),
-                                         self.chat_format(settings.get("instruction")))
-        settings.update(max_new_tokens=max_new, context_length=window, passages_dropped=len(passages) - len(kept))
+                                         settings.instruction, settings.answer_prefix or "",
+                                         self.chat_format(settings.instruction))
+        settings.max_new_tokens, settings.context_length = max_new, window
+        settings.passages_dropped = len(passages) - len(kept)
         if len(kept) < len(passages):
             log.warning("prompt over the model's window of %d tokens (%d reserved for the answer): %d "
                         "lowest-ranked passage(s) left out, %d kept (%d prompt tokens)", window, max_new,
@@ -694,7 +820,7 @@ class LongDocQA:
         from ldqa.attention.threads import decode_threads, prefill_on
 
         llm = self.llm
-        chat = self.chat_format(settings.get("instruction"))
+        chat = self.chat_format(settings.instruction)
         stop_ids = set(llm.tokenizer.eos_ids) | set(chat.stop_ids if chat else ())
         cfg = SamplingConfig(max_new_tokens=max_new, stop_strings=STOP_STRINGS + (chat.stop_strings if chat else ()))
         debias = att_cfg.debias.method
@@ -705,10 +831,10 @@ class LongDocQA:
                 built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings, chat),
                                             att_cfg, max_new)
             if debias == "buckets":
-                settings["bucket_scales"] = list(att_cfg.debias.bucket_scales)
+                settings.bucket_scales = list(att_cfg.debias.bucket_scales)
             if built.fallback_reason:
-                settings["attention_used"] = built.mode_used
-                settings["fallback_reason"] = built.fallback_reason
+                settings.attention_used = built.mode_used
+                settings.fallback_reason = built.fallback_reason
             gen = continue_generation(built.runner, built.context.cache, built.context.logits, llm.tokenizer.decode,
                                       stop_ids, cfg, t0=t_start, threads=threads)
             for _, delta in gen:
@@ -724,25 +850,20 @@ class LongDocQA:
                                _timings(gen.stats, retrieval_ms, _ms(t0), built), settings)
 
 
-def _timings(s, retrieval_ms: float, total_ms: float, built) -> dict:
-    """`Answer.timings`: the typed records of one answer merged once, in the public order: the
-    generation's `GenerationStats` `s` with retrieval_ms and total_ms (ms), then retrieval attention's
-    `RetrievalStats`, the block runtime's `PrefillStats` (exact prefills: every prompt token computed),
-    the `DebiasStats`, and reused_prefill_ms (ms; 0 when no prefill was reused)."""
-    ctx = built.context
-    timings = {"retrieval_ms": retrieval_ms, "prefill_ms": s.prefill_ms, "ttft_ms": s.ttft_ms,
-               "decode_ms": s.decode_ms, "tokens_per_s": s.tokens_per_s, "prompt_tokens": s.prompt_tokens,
-               "generated_tokens": s.generated_tokens, "stop_reason": s.stop_reason, "total_ms": total_ms}
-    if built.policy is not None:
-        timings |= built.policy.stats.to_dict()
-    if ctx.block_stats is not None:
-        timings |= ctx.block_stats.to_dict()
-    else:
-        timings |= {"tokens_reused": 0, "tokens_computed": s.prompt_tokens}
-    if built.stats is not None:
-        timings |= built.stats.to_dict()
-    timings.setdefault("reused_prefill_ms", ctx.reused_prefill_ms)
-    return timings
+def _timings(s, retrieval_ms: float, total_ms: float, built) -> Timings:
+    """`Answer.timings` of one generated answer: the generation's `GenerationStats` `s` with retrieval_ms
+    and total_ms (ms), and the engine context `built`'s records: retrieval attention's `RetrievalStats`,
+    the block runtime's `PrefillStats` (None for an exact prefill), the `DebiasStats`, and the time of
+    the exact prefills reused from the memo (the debias recipe's sum where it keeps one, else the
+    context's; 0 when none was reused)."""
+    ctx, debias = built.context, built.stats
+    reused = debias.reused_prefill_ms if debias is not None and debias.reused_prefill_ms is not None else \
+        ctx.reused_prefill_ms
+    return Timings(retrieval_ms=retrieval_ms, prefill_ms=s.prefill_ms, ttft_ms=s.ttft_ms, decode_ms=s.decode_ms,
+                   tokens_per_s=s.tokens_per_s, prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens,
+                   stop_reason=s.stop_reason, total_ms=total_ms,
+                   retrieval_stats=built.policy.stats if built.policy is not None else None,
+                   block_stats=ctx.block_stats, debias_stats=debias, reused_prefill_ms=reused)
 
 
 def _check_max_new(n) -> int:
@@ -772,9 +893,8 @@ def _sample_texts() -> list[str]:
     return texts
 
 
-def _build_prompt(tokenizer, passages, question, settings, chat=None):
-    return build_prompt(tokenizer, passages, question, settings.get("instruction"), settings.get("answer_prefix", ""),
-                        chat)
+def _build_prompt(tokenizer, passages, question, settings: Settings, chat=None):
+    return build_prompt(tokenizer, passages, question, settings.instruction, settings.answer_prefix or "", chat)
 
 
 @dataclass

@@ -198,8 +198,8 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
             try:
                 ans = qa.answer(ex["question"], passages, attention=mode.attention, max_new_tokens=max_new,
                                 debias=mode.debias, **prompt, **kw)
-                text, t, used = ans.text, ans.timings, ans.settings.get("attention_used", mode.attention)
-                t = {**t, "passages_dropped": ans.settings.get("passages_dropped", 0)}
+                text, t, used = ans.text, ans.timings.to_dict(), ans.settings.attention_used or mode.attention
+                t["passages_dropped"] = ans.settings.passages_dropped or 0
             except (NonFiniteLogitsError, PromptTooLongError) as e:  # an error row, not a wrong answer
                 text, t, error = "", {}, f"{type(e).__name__}: {e}"
     meta = {k: v for k, v in ex.items() if k not in ("passages", "id", "question", "answers", "instruction",
@@ -358,15 +358,15 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
             if mode.attention.startswith("block"):
                 item.block_runtime  # noqa: B018  (RoPE self-check before the clock, once per LongDocQA)
             ans = item.ask(ex["question"], **ask)
-            text, t, passages = ans.text, ans.timings, ans.passages
-            used = ans.settings.get("attention_used", mode.attention)
-            abstained = bool(ans.settings.get("abstained"))
+            text, t, passages = ans.text, ans.timings.to_dict(), ans.passages
+            used = ans.settings.attention_used or mode.attention
+            abstained = bool(ans.settings.abstained)
             if not abstained:
                 item.prefill_memo.clear()  # warm: blocks stored, but no copy of this exact prefill
                 warm = item.ask(ex["question"], **ask)
             row |= {"abstained": abstained}
-            if ans.settings.get("passages_dropped"):
-                row["passages_dropped"] = ans.settings["passages_dropped"]
+            if ans.settings.passages_dropped:
+                row["passages_dropped"] = ans.settings.passages_dropped
         except (NonFiniteLogitsError, PromptTooLongError, ContextIndexError) as e:  # an error row
             text, t, error = "", {}, f"{type(e).__name__}: {e}"
         finally:
@@ -382,10 +382,10 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
             "ttft_ms": ttft, "tokens_per_s": t.get("tokens_per_s"),
             "prompt_tokens": t.get("prompt_tokens") or None, "generated_tokens": t.get("generated_tokens"),
             "total_ms": t.get("total_ms"), "retrieval_ms": t.get("retrieval_ms"), "ttft_cold_ms": ttft,
-            "ttft_warm_ms": warm.timings["ttft_ms"] if warm else None,
+            "ttft_warm_ms": warm.timings.ttft_ms if warm else None,
             "warm_same_answer": (warm.text == text) if warm else None,
             "tokens_reused": t.get("tokens_reused"),
-            "tokens_reused_warm": warm.timings.get("tokens_reused") if warm else None,
+            "tokens_reused_warm": warm.timings.tokens_reused if warm else None,
             "gold_in_retrieved": None if error else answer_in_passages([p.text for p in passages], ex["answers"]),
             "retrieved": [f"{p.start}:{p.end}" for p in passages], **row,
             "peak_mb": mem.peak, **({"gpu_peak_mb": mem.gpu_mb} if mem.gpu_mb is not None else {}),

@@ -55,7 +55,8 @@ def record(model: str, weights: str | None, n_questions: int, max_new_tokens: in
                         "attention": attention, "debias": debias, "question": q, "text": a.text,
                         "citations": [[c.n, c.chunk_id, c.method, c.answer_start, c.answer_end] for c in a.citations],
                         "passages": [p.chunk_id for p in a.passages],
-                        "settings": _jsonable(a.settings), "timings_keys": sorted(a.timings)})
+                        "settings": _jsonable(a.settings.to_dict()),
+                        "timings_keys": sorted(a.timings.to_dict())})
             qa.store.close()
             return {"model": model, "weights": qa.weights, "max_new_tokens": max_new_tokens,
                     "questions": questions, "answers": answers}

@@ -50,7 +50,7 @@ EXACT_TIMINGS = ("prompt_tokens", "generated_tokens", "stop_reason", "tokens_reu
 
 
 def _row(a, **case) -> dict:
-    settings = json.loads(json.dumps(a.settings, default=str))
+    settings = json.loads(json.dumps(a.settings.to_dict(), default=str))
     settings["model"] = "<tiny gemma3>"  # a temporary directory's path
     return {**case, "text": a.text,
             "citations": [[c.n, c.chunk_id, c.title, c.method, c.answer_start, c.answer_end] for c in a.citations],

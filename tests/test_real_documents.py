@@ -633,12 +633,13 @@ def test_api_drops_lowest_ranked_passages_to_fit_the_window(tiny_model_dir, tmp_
 
 
 def _answer(stop_reason: str, dropped: int = 0):
-    from ldqa.app.api import Answer
+    from ldqa.app.api import Answer, Settings, Timings
 
-    return Answer("q?", "An answer that goes on", [], [], {"stop_reason": stop_reason, "retrieval_ms": 1.0,
-                                                           "ttft_ms": 2.0, "tokens_per_s": 3.0, "prompt_tokens": 9,
-                                                           "total_ms": 5.0},
-                  {"max_new_tokens": 64, "passages_dropped": dropped, "context_length": 8192})
+    return Answer("q?", "An answer that goes on", [], [],
+                  Timings(stop_reason=stop_reason, retrieval_ms=1.0, ttft_ms=2.0, tokens_per_s=3.0, prompt_tokens=9,
+                          total_ms=5.0),
+                  Settings(top_k=3, retriever="hybrid", attention="full", model="m", weights="q8_0", kv_dtype="fp32",
+                           max_new_tokens=64, passages_dropped=dropped, context_length=8192))
 
 
 def test_truncation_notice_in_answer_cli_and_ui(capsys):
