@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from ldqa.app.render import answer_facts
+
 SAMPLE_DIR = Path(__file__).parent / "sample"
 
 
@@ -269,10 +271,12 @@ def cmd_ask(args) -> int:
 
 
 def print_answer_details(ans) -> None:
+    """What `ldqa ask` and `ldqa demo` print under an answer: its notice, its citations (or the passages
+    it used, or for an abstention the nearest ones) and how it was made (`render.answer_facts`)."""
     if ans.notice:
         print(f"  note: {ans.notice}")
-    if ans.settings.get("abstained"):
-        print(f"  retrieval {ans.timings['retrieval_ms']:.0f} ms; the nearest passages were:")
+    if ans.settings.abstained:
+        print(f"  {' | '.join(answer_facts(ans))}; the nearest passages were:")
         for i, p in enumerate(ans.passages[:3], 1):
             print(f"  [{i}] {p.title} ({Path(p.path).name}{f', page {p.page}' if p.page else ''})")
         return
@@ -283,15 +287,7 @@ def print_answer_details(ans) -> None:
         print("  (no passage supports this answer verbatim; passages used:)")
         for i, p in enumerate(ans.passages[:3], 1):
             print(f"  [{i}] {p.title} ({Path(p.path).name}{f', page {p.page}' if p.page else ''})")
-    t = ans.timings
-    reuse = f" | {t['tokens_reused']} tokens reused from the KV store" if t.get("tokens_reused") else ""
-    print(f"  retrieval {t['retrieval_ms']:.0f} ms | TTFT {t['ttft_ms']:.0f} ms ({t['prompt_tokens']} prompt tokens)"
-          f" | {t['tokens_per_s']:.1f} tokens/s | total {t['total_ms'] / 1000:.1f} s{reuse}")
-    if t.get("retrieval_steps") or t.get("retrieval_dense_steps"):
-        print(f"  retrieval attention: {t['keys_touched_per_step']:.0f} keys touched per step and KV head "
-              f"({100 * t['keys_touched_fraction']:.1f}% of the context), index built in "
-              f"{t['index_build_ms']:.0f} ms ({t['index_kind']})" if t["retrieval_steps"] else
-              "  retrieval attention: context shorter than min_indexed keys, attended to everything")
+    print(f"  {' | '.join(answer_facts(ans))}")
 
 
 def cmd_demo(args) -> int:
@@ -319,7 +315,7 @@ def cmd_demo(args) -> int:
     kw = dict(top_k=args.top_k, retriever=args.retriever, max_new_tokens=args.max_new_tokens,
               **_abstain_kw(args), **_retrieval_kw(args))
     correct = 0
-    results = []
+    results, answers = [], []
     for q in questions:
         print(f"\n== Q: {q['question']}")
         ans = qa.ask(q["question"], attention=args.attention, recompute_ratio=args.recompute_ratio,
@@ -331,6 +327,7 @@ def cmd_demo(args) -> int:
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")
         print_answer_details(ans)
         results.append(ans.to_dict() | {"gold": q["answers"], "correct": ok})
+        answers.append(ans)
     # the same questions in a second setting, one line each beside the answers above: exact full attention
     # without debiasing, or, when that is the setting, block attention with its default debiasing
     other = ("full", "none") if (args.attention, args.debias) != ("full", "none") else ("block", default_debias("block"))
@@ -338,13 +335,13 @@ def cmd_demo(args) -> int:
         label = f"attention {other[0]}, debias {other[1]}"
         print(f"\n== the same questions: {setting} | {label}")
         other_correct = 0
-        for q, r in zip(questions, results):
+        for q, r, first in zip(questions, results, answers):
             ans = qa.ask(q["question"], attention=other[0], debias=other[1], **kw)
             ok = best_subspan_em(ans.text, q["answers"])
             other_correct += ok
             r["compared"] = {"attention": other[0], "debias": other[1], "text": ans.text, "correct": ok,
-                             "ttft_ms": ans.timings.get("ttft_ms"), "total_ms": ans.timings.get("total_ms")}
-            print(f"  {_short(q['question'], 34)} | {_cell(r['text'], r['correct'], r['timings'])} "
+                             "ttft_ms": ans.timings.ttft_ms, "total_ms": ans.timings.total_ms}
+            print(f"  {_short(q['question'], 34)} | {_cell(first.text, r['correct'], first.timings)} "
                   f"| {_cell(ans.text, ok, ans.timings)}")
         print(f"  correct: {int(correct)}/{len(questions)} ({setting}) | {int(other_correct)}/{len(questions)} "
               f"({label})")
@@ -361,11 +358,10 @@ def _short(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def _cell(text: str, ok: float, timings: dict) -> str:
-    """One answer in the demo's side-by-side line: correct or not, TTFT, total time, the answer's start."""
-    ttft = timings.get("ttft_ms")
-    when = (f"TTFT {ttft / 1000:4.1f} s, total {timings['total_ms'] / 1000:4.1f} s" if ttft is not None
-            else "no model call")
+def _cell(text: str, ok: float, timings) -> str:
+    """One answer in the demo's side-by-side line: correct or not, TTFT, total time (its `Timings`), the
+    answer's start."""
+    when = f"TTFT {timings.ttft_ms / 1000:4.1f} s, total {timings.total_ms / 1000:4.1f} s"
     return f"{'ok ' if ok else 'no '} {when}: {_short(text, 28):28s}"
 
 

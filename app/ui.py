@@ -32,6 +32,7 @@ import gradio as gr
 
 from ldqa.app.api import ATTENTION_MODES, DEFAULT_ATTENTION, DEFAULT_TOP_K, RETRIEVERS, LongDocQA, default_debias
 from ldqa.app.collections import LOGIN_HINT, user_dir_name
+from ldqa.app.render import answer_facts
 from ldqa.retrieval.loaders import SUPPORTED_EXTENSIONS
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
@@ -318,7 +319,8 @@ def _where(title: str, path: str, page) -> str:
 
 
 def answer_markdown(ans) -> str:
-    """The answer with its [n] markers (added for citations ldqa attributed) and the timing line."""
+    """The answer with its [n] markers (added for citations ldqa attributed) and the timing line
+    (`timing_line`)."""
     text = html.escape(ans.text) if ans.text else "_(the model gave no answer)_"
     missing = [c.n for c in ans.citations if f"[{c.n}]" not in ans.text]
     if missing:
@@ -331,31 +333,8 @@ def answer_markdown(ans) -> str:
 
 
 def timing_line(ans) -> str:
-    """retrieval ms · TTFT ms · tokens/s · prompt tokens reused (`reuse_text`) · attention used."""
-    t, s = ans.timings, ans.settings
-    used = s.get("attention_used", s.get("attention", "full"))
-    parts = [f"retrieval {t['retrieval_ms']:.0f} ms", f"TTFT {t['ttft_ms']:,.0f} ms",
-             f"{t['tokens_per_s']:.1f} tokens/s", reuse_text(t),
-             f"attention {used}", f"model {Path(s.get('model', '')).name}"]
-    if t.get("retrieval_steps"):
-        parts.append(f"{t['keys_touched_per_step']:.0f} keys/step ({100 * t['keys_touched_fraction']:.1f}%)")
-    if s.get("debias", "none") != "none":
-        parts.append(f"debias {s['debias']} (+{t.get('debias_ms', 0):,.0f} ms)")
-    return "<small>" + " · ".join(parts) + "</small>"
-
-
-def reuse_text(t: dict) -> str:
-    """How much of the prompt was not computed for this answer, from its timings `t`: tokens read from
-    stored KV blocks (block modes), or the whole prompt when its exact prefill was a copy of an identical
-    earlier prompt's (the prefill memo, shared by every session and user); with debiasing, whose extra
-    prefills may be copies while the question is recomputed, the prefill time those copies saved."""
-    n, kv, memo_ms = t["prompt_tokens"], t.get("tokens_reused", 0), t.get("reused_prefill_ms") or 0.0
-    if memo_ms > 0 and not kv and "debias_passes" not in t:  # the answer's context is the memo's copy
-        return f"{n:,}/{n:,} prompt tokens reused from an identical earlier prompt's prefill"
-    text = f"{kv:,}/{n:,} prompt tokens reused from the KV store"
-    if memo_ms > 0:
-        text += f", plus prefills of identical earlier prompts ({memo_ms:,.0f} ms of prefill reused)"
-    return text
+    """How the answer was made (`render.answer_facts`), joined with " · " in small print."""
+    return "<small>" + " · ".join(html.escape(f, quote=False) for f in answer_facts(ans)) + "</small>"
 
 
 def passage_records(ans) -> list[dict]:
@@ -426,7 +405,7 @@ def citation_messages(ans) -> list[dict]:
 def passages_table(ans) -> list[list]:
     """One row per retrieved passage: #, document (and page), fused (RRF; hybrid only), dense (cosine)
     and BM25 scores (blank when the passage was not in that list), how it is cited."""
-    hybrid = ans.settings.get("retriever") == "hybrid"
+    hybrid = ans.settings.retriever == "hybrid"
     cited = {c.n: c.method for c in ans.citations}
 
     def f(x, digits):

@@ -108,11 +108,27 @@ class RetrievalStats:
     build_ms: float = 0.0
     index_kind: str = ""
 
+    @property
+    def keys_attended_per_step(self) -> float:
+        """Keys attended per (layer, step) the index served, and KV head."""
+        return self.keys_attended / max(1, self.steps)
+
+    @property
+    def keys_touched_per_step(self) -> float:
+        """Keys touched per (layer, step) the index served, and KV head."""
+        return self.keys_touched / max(1, self.steps)
+
+    @property
+    def keys_touched_fraction(self) -> float:
+        """Keys touched as a share of the context's keys."""
+        return self.keys_touched / max(1, self.context_keys)
+
     def to_dict(self) -> dict:
-        n = max(1, self.steps)
+        """The `Answer.timings` keys of retrieval attention."""
         return {"retrieval_steps": self.steps, "retrieval_dense_steps": self.dense_steps,
-                "keys_attended_per_step": self.keys_attended / n, "keys_touched_per_step": self.keys_touched / n,
-                "keys_touched_fraction": self.keys_touched / max(1, self.context_keys),
+                "keys_attended_per_step": self.keys_attended_per_step,
+                "keys_touched_per_step": self.keys_touched_per_step,
+                "keys_touched_fraction": self.keys_touched_fraction,
                 "index_builds": self.builds, "index_build_ms": self.build_ms, "index_kind": self.index_kind}
 
 

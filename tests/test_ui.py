@@ -326,15 +326,18 @@ def test_a_prompt_prefilled_for_another_session_is_reported_as_reused(ui):
 
 
 def test_reuse_text_counts_stored_blocks_and_copied_prefills():
-    from ldqa.app.ui import reuse_text
+    from ldqa.app.api import Timings
+    from ldqa.app.render import reuse_text
+    from ldqa.attention.block_attention import PrefillStats
+    from ldqa.attention.debias import DebiasStats
 
-    assert reuse_text({"prompt_tokens": 90, "tokens_reused": 0, "reused_prefill_ms": 0.0}) == \
+    assert reuse_text(Timings(prompt_tokens=90, reused_prefill_ms=0.0)) == \
         "0/90 prompt tokens reused from the KV store"
-    assert reuse_text({"prompt_tokens": 90, "tokens_reused": 0, "reused_prefill_ms": 812.0}) == \
+    assert reuse_text(Timings(prompt_tokens=90, reused_prefill_ms=812.0)) == \
         "90/90 prompt tokens reused from an identical earlier prompt's prefill"
-    assert reuse_text({"prompt_tokens": 90, "tokens_reused": 60, "reused_prefill_ms": 0.0}) == \
+    assert reuse_text(Timings(prompt_tokens=90, block_stats=PrefillStats(tokens_reused=60), reused_prefill_ms=0.0)) == \
         "60/90 prompt tokens reused from the KV store"
-    debiased = reuse_text({"prompt_tokens": 90, "tokens_reused": 0, "reused_prefill_ms": 812.0, "debias_passes": 2})
+    debiased = reuse_text(Timings(prompt_tokens=90, reused_prefill_ms=812.0, debias_stats=DebiasStats(debias_passes=2)))
     assert debiased.startswith("0/90 prompt tokens reused from the KV store") and "812 ms of prefill reused" in debiased
 
 
