@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ldqa.attention.cache_dir import cache_root  # noqa: F401  (re-exported: callers read loader.cache_root)
 from ldqa.attention.config import ModelConfig, UnsupportedModelError
 from ldqa.attention.model import Transformer
 from ldqa.attention.model_packages import PACKAGED_MODELS, PARTED, PackageError, check_installed
@@ -67,16 +68,6 @@ SUPPORTED_HELP = ("supported: Llama (llama, also SmolLM2), Qwen2/2.5 (qwen2), Qw
 FP16_NAMES = ("fp16", "float16", "f16", "half")
 FP16_HELP = ("ldqa has no float16 format: float16 tops out at 65504, Gemma 3's activations exceed that and "
              "its logits become NaN; bf16 takes the same memory with fp32's range")
-
-
-def cache_root() -> Path:
-    """Where dequantized weights are cached: $LDQA_CACHE_DIR or the platform's user cache dir."""
-    env = os.environ.get("LDQA_CACHE_DIR")
-    if env:
-        return Path(env)
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("ldqa"))
 
 
 def resolve_gguf(name: str) -> Path:
