@@ -400,6 +400,16 @@ __attribute__((unused)) static float rowk_q6_k(const uint8_t *w, const kx_t *a, 
  * it decodes no more instructions than the 256-bit loop, and on one with full-width units it halves the
  * decode-time matrix work (docs/kernels.md). */
 
+/* The weight bytes PF_K_AHEAD ahead of a super-block are asked into L1 as it is read (rows are contiguous,
+ * so past a row's end this is the thread's next row). Measured on a Zen 5 machine (one row of Qwen2.5
+ * 1.5B's gate_proj, Q4_K, cold): 1 KB ahead 1.04x the time of none, 4 KB 0.94x, 8 KB 0.92x, 16 KB 0.97x. */
+#ifndef PF_K_AHEAD
+#define PF_K_AHEAD 8192
+#endif
+static inline void prefetch_ahead(const uint8_t *w, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(w + PF_K_AHEAD + o), _MM_HINT_T0);
+}
+
 /* 32 int16 lane indices: lanes 0-15 pick a, lanes 16-31 pick b (for _mm512_permutexvar_epi16) */
 static inline __m512i halves16(int a, int b) {
     return _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
@@ -432,6 +442,7 @@ static float rowk512_q4_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
             precise += row_q4_k(w, a->xq + 256 * s, a->xd + 8 * s, a->xs + 8 * s, 8);
             continue;
         }
+        prefetch_ahead(w, 144);
         const float d = fp16_at(w) * xd[s], dmin = fp16_at(w + 2) * xd[s];
         uint64_t sc, mn;
         q4_k_scales8(w + 4, &sc, &mn);
@@ -475,6 +486,7 @@ static float rowk512_q6_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
             precise += row_q6_k(w, a->xq + 256 * s, a->xd + 8 * s, a->xs + 8 * s, 8);
             continue;
         }
+        prefetch_ahead(w, 210);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192)); /* 16 int8 scales */
         const __m256i off = _mm256_add_epi32(
             _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)bs)),
