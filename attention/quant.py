@@ -239,13 +239,9 @@ class QLinear(nn.Module):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.fmt == "bf16":
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), self.weight)
-        elif self.fmt == "int8" and x2.shape[0] >= PREFILL_ROWS:
-            # many rows (prefill): the packed op is slower than dequantizing once and a bf16 GEMM
-            w = self.qweight.to(torch.bfloat16) * self.scales[:, None]  # (N, K) bf16
-            y = torch.nn.functional.linear(x2.to(torch.bfloat16), w)
-        elif self.fmt in ("q8_0", "gguf"):  # prefill rows (decode returned above)
-            w = self.dequantized(torch.bfloat16)  # (N, K) bf16
-            y = torch.nn.functional.linear(x2.to(torch.bfloat16), w)
+        elif (w := self.prefill_weight(x2.shape[0])) is not None:
+            # many rows (prefill): dequantize once, one bf16 GEMM (int8: faster than the packed op)
+            return self.apply_prefill(x, w)
         elif self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
         else:
@@ -255,6 +251,26 @@ class QLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def prefill_weight(self, rows: int) -> torch.Tensor | None:
+        """The bf16 weight (N, K) that `forward` multiplies `rows` rows of activations with in one GEMM
+        (int8 with at least PREFILL_ROWS rows, q8_0 and gguf with rows past decode's), dequantized now;
+        None where forward takes another path (fp32, bf16, int4, the packed int8 op, the C decode kernel).
+        With `apply_prefill` it lets a caller split the rows into chunks and dequantize once
+        (`MLP.forward`)."""
+        if self.fmt == "int8" and rows >= PREFILL_ROWS:
+            return self.qweight.to(torch.bfloat16) * self.scales[:, None]
+        if self.fmt in ("q8_0", "gguf") and rows >= PREFILL_ROWS:
+            return self.dequantized(torch.bfloat16)
+        return None
+
+    def apply_prefill(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (..., in_features) float32/bf16, w the layer's `prefill_weight` -> (..., out_features) in x's
+        dtype: the bf16 GEMM of forward's prefill path (bias added in x's dtype), for any number of rows."""
+        y = torch.nn.functional.linear(x.reshape(-1, self.in_features).to(torch.bfloat16), w).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         """The weight W (N, K) as this layer computes with it, in `dtype` (for tests and error reports)."""
