@@ -236,3 +236,30 @@ def test_every_attention_mode_answers_with_compact_weights_and_cache(tmp_path, t
         assert ans.timings["generated_tokens"] >= 0
     with pytest.raises(WeightFormatError, match="unknown weight format"):
         LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), weights="q4_k")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "fp32"])
+def test_prefill_mlp_in_chunks_equals_the_whole_prompt(fmt, monkeypatch):
+    # MLP.forward splits a long prefill into row chunks over weights dequantized once: every row is computed
+    # by the same operations, so the output is the same bit for bit (fp32 projections: no chunking)
+    from types import SimpleNamespace
+
+    from ldqa.attention import model as M
+
+    g = torch.Generator().manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu")
+    mlp = M.MLP(cfg)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(mlp, name)
+        setattr(mlp, name, QLinear.from_float(torch.randn(lin.out_features, lin.in_features, generator=g) * 0.1,
+                                              None, fmt))
+    x = torch.randn(1, 150, 64, generator=g)
+    with torch.inference_mode():
+        whole = mlp(x)
+        monkeypatch.setattr(M, "MLP_CHUNK_ROWS", 40)  # 4 chunks, the last one of 30 rows (< PREFILL_ROWS)
+        calls = []
+        real = QLinear.apply_prefill
+        monkeypatch.setattr(QLinear, "apply_prefill", lambda self, xc, w: calls.append(len(xc)) or real(self, xc, w))
+        chunked = mlp(x)
+    assert torch.equal(chunked, whole)
+    assert calls == ([] if fmt == "fp32" else [40, 40, 40, 40, 40, 40, 40, 40, 40, 30, 30, 30])
