@@ -1,9 +1,17 @@
-"""The one place the runtime calls for attention math.
+"""The one place the runtime calls for attention math, with one exception (below).
 
 Every attention call in `ldqa.attention` goes through a function here. Each function picks an
-implementation: the Triton kernel for CUDA tensors, the pure-torch reference on the CPU.
+implementation: the Triton kernel for CUDA tensors; on the CPU the C decode attention
+(`cpu_linear.decode_attention`) for one query token where it fits, else the pure-torch reference.
 `LDQA_KERNELS=triton|torch` overrides the choice (``triton`` on CPU tensors needs TRITON_INTERPRET=1).
 Kernel modules are imported lazily, so the CPU path never imports Triton.
+
+The exception: a q8_0/gguf model's plain decode step on the CPU (one token, one sequence, no mask,
+`Transformer.forward` -> `_stack_step`) runs all its layers in one C call (`cpu_linear.DecodeStack`,
+`ldqa_decode_stack` in kernels/q8_0.c), which calls the same C decode attention inside the call; going
+back to Python per layer to reach this module cost ~0.1 ms a layer (docs/kernels.md). It computes the same
+numbers, bit for bit, as the per-layer path through `decode_attention` here (tests/test_fused_decode.py);
+`LDQA_KERNELS=torch` turns it off too.
 
 Functions (shapes: b = batch, hq = query heads, hkv = KV heads, d = head_dim; hq % hkv == 0 and query
 head h reads KV head h // (hq // hkv)):
