@@ -21,6 +21,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from ldqa.eval.nq import DEFAULT_DATA, load_nq, multidoc_example
 
@@ -52,7 +53,7 @@ def kl_grid(qa, examples, grid, new_tokens: int) -> dict:
     m = new_tokens
     for ex in examples:
         ps = [Passage(p["title"], p["text"]) for p in ex["passages"]]
-        seg = _build_prompt(tok, ps, ex["question"], {}, chat)
+        seg = _build_prompt(tok, ps, ex["question"], SimpleNamespace(instruction=None, answer_prefix=None), chat)
         ids = seg.ids()
         with torch.no_grad():
             cache = model.new_cache(capacity=len(ids) + m + 8)

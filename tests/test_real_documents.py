@@ -723,10 +723,12 @@ def test_off_topic_question_abstains_without_running_the_model(tiny_model_dir, t
 
 
 def test_a_derailed_answer_is_not_called_merely_cut():
-    from ldqa.app.api import Answer, repeats_itself
+    from ldqa.app.api import Answer, Settings, Timings, repeats_itself
 
     def ans(text):
-        return Answer("q?", text, [], [], {"stop_reason": "max_new_tokens"}, {"max_new_tokens": 64})
+        return Answer("q?", text, [], [], Timings(stop_reason="max_new_tokens"),
+                      Settings(top_k=3, retriever="hybrid", attention="block", model="m", weights="gguf",
+                               kv_dtype="fp32", max_new_tokens=64))
 
     # what the sample's error-code question gets in block mode, and an empty-table loop
     # (the second: the same cut by a 16-token budget, as `ldqa ask --max-new-tokens 16` gets it)
