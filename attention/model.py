@@ -241,9 +241,8 @@ class MLP(nn.Module):
         row is computed by the same operations either way."""
         rows = x.numel() // x.shape[-1]
         projections = (self.gate_proj, self.up_proj, self.down_proj)
-        if rows <= MLP_CHUNK_ROWS or not all(hasattr(p, "prefill_weight") for p in projections):
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        ws = [p.prefill_weight(rows) for p in projections]
+        ws = ([p.prefill_weight(rows) for p in projections]
+              if rows > MLP_CHUNK_ROWS and all(hasattr(p, "prefill_weight") for p in projections) else [None])
         if any(w is None for w in ws):
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         x2 = x.reshape(rows, x.shape[-1])

@@ -312,6 +312,20 @@ static inline __m256i pick16(__m256i v, int j, int k) {
     return _mm256_shuffle_epi8(v, idx);
 }
 
+/* Q4_K's 8 mins (bytes of mn) times the super-block's 8 activation sums per 32 (b32): 8 int32 lanes */
+static inline __m256i q4_k_mins(uint64_t mn, const int32_t *b32) {
+    return _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)),
+                              _mm256_loadu_si256((const __m256i *)b32));
+}
+
+/* Q6_K's 16 int8 scales (sc8) times the super-block's 16 activation sums per 16 (bs), pairwise added into 8
+ * int32 lanes (their total is what the -32 of every weight takes off, over 32) */
+static inline __m256i q6_k_offsets(__m128i sc8, const int32_t *bs) {
+    return _mm256_add_epi32(
+        _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)bs)),
+        _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)), _mm256_loadu_si256((const __m256i *)(bs + 8))));
+}
+
 /* Q4_K: per 64 weights, 32 bytes of nibbles: low nibbles are sub-block 2j, high ones sub-block 2j + 1;
  * w = d * sc * q - dmin * m per sub-block, so y = xd * (d * sum sc_j (q . x8)_j - dmin * sum m_j bs_j) */
 __attribute__((unused)) static float rowk_q4_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
@@ -319,9 +333,9 @@ __attribute__((unused)) static float rowk_q4_k(const uint8_t *w, const kx_t *a, 
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int8_t *x8 = a->x8;
     const float *xd = a->xd8;
-    const int32_t *bs = a->bs;
+    const int32_t *b32 = a->b32;
     float precise = 0.0f;
-    for (int64_t s = 0; s < nsb; s++, w += 144, x8 += 256, bs += 16) {
+    for (int64_t s = 0; s < nsb; s++, w += 144, x8 += 256, b32 += 8) {
         if (a->precise[s]) {
             precise += row_q4_k(w, a->xq + 256 * s, a->xd + 8 * s, a->xs + 8 * s, 8);
             continue;
@@ -340,12 +354,7 @@ __attribute__((unused)) static float rowk_q4_k(const uint8_t *w, const kx_t *a, 
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p1, pick16(s16, 2 * j + 1, 2 * j + 1)));
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d), acc);
-        /* the sums of the 8 sub-blocks of 32 from the 16 sums of 16, in order */
-        const __m256i b32 = _mm256_permute4x64_epi64(
-            _mm256_hadd_epi32(_mm256_loadu_si256((const __m256i *)bs), _mm256_loadu_si256((const __m256i *)(bs + 8))),
-            0xD8);
-        const __m256i mins = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)), b32);
-        offv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin), offv);
+        offv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_k_mins(mn, b32)), _mm256_set1_ps(dmin), offv);
     }
     return hsum256(acc) - hsum256(offv) + precise;
 }
@@ -366,9 +375,7 @@ __attribute__((unused)) static float rowk_q6_k(const uint8_t *w, const kx_t *a, 
             continue;
         }
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192)); /* 16 int8 scales */
-        __m256i off = _mm256_add_epi32(
-            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)bs)),
-            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)), _mm256_loadu_si256((const __m256i *)(bs + 8))));
+        const __m256i off = q6_k_offsets(sc8, bs);
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
@@ -461,9 +468,7 @@ static float rowk512_q4_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
                                                               _mm512_loadu_si512(x + 3)),
                                    _mm512_permutexvar_epi16(i57, s16));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d), acc);
-        const __m256i mins = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)),
-                                                _mm256_loadu_si256((const __m256i *)b32));
-        offv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin), offv);
+        offv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_k_mins(mn, b32)), _mm256_set1_ps(dmin), offv);
     }
     return _mm512_reduce_add_ps(acc) - hsum256(offv) + precise;
 }
@@ -488,9 +493,7 @@ static float rowk512_q6_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
         }
         prefetch_ahead(w, 210);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192)); /* 16 int8 scales */
-        const __m256i off = _mm256_add_epi32(
-            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)bs)),
-            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)), _mm256_loadu_si256((const __m256i *)(bs + 8))));
+        const __m256i off = q6_k_offsets(sc8, bs);
         const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
         __m512i sumi = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
         for (int h = 0; h < 2; h++) {
