@@ -111,6 +111,14 @@ def linear_q8_0_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
 def dequantize_q8_0(qweight: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """qweight (N, K) int8, scales (N, K/32) float16 -> w (N, K) in `dtype` (w = d * q, computed in fp32)."""
     n, k = qweight.shape
+    if dtype == torch.bfloat16 and qweight.is_contiguous() and scales.is_contiguous():
+        lib = _state["lib"] if "lib" in _state else _lib()
+        if lib is not None:  # the same values in one pass, no fp32 (N, K) copy
+            w = torch.empty(n, k, dtype=torch.bfloat16)
+            rc = lib.ldqa_dequantize_bf16(Q8_0_TYPE, qweight.data_ptr(), scales.data_ptr(), n, k, w.data_ptr(),
+                                          torch.get_num_threads())
+            _check(rc, f"dequantize_q8_0 (K {k})")
+            return w
     w = qweight.float().reshape(n, k // QK, QK) * scales.float()[..., None]  # (N, B, 32)
     return w.reshape(n, k).to(dtype)
 
@@ -223,6 +231,8 @@ def _build() -> ctypes.CDLL:
     lib.ldqa_mats_linear.restype = ctypes.c_int
     lib.ldqa_gguf_dequantize.argtypes = [i64, p, i64, i64, p, i32]
     lib.ldqa_gguf_dequantize.restype = ctypes.c_int
+    lib.ldqa_dequantize_bf16.argtypes = [i64, p, p, i64, i64, p, i32]
+    lib.ldqa_dequantize_bf16.restype = ctypes.c_int
     lib.ldqa_decode_attn_in.argtypes = [p, i64, p, f32, p, p, i64, i64, i64, p, p, p, p, p, i32]
     lib.ldqa_decode_attn_in.restype = ctypes.c_int
     lib.ldqa_decode_attn_out.argtypes = [p, p, i64, i64, p, p, p, p, f32, p, i64, i32, p, p, i32]
@@ -374,6 +384,12 @@ def dequantize_gguf(blocks: torch.Tensor, ggml_type: int, k: int, dtype=torch.fl
     lib = _state["lib"] if "lib" in _state else _lib()
     if lib is None:
         return dequantize_gguf_reference(blocks, ggml_type, k).to(dtype)
+    if dtype == torch.bfloat16:  # rounded per row as torch rounds: no (N, k) fp32 copy written and read back
+        w = torch.empty(blocks.shape[0], k, dtype=torch.bfloat16)
+        rc = lib.ldqa_dequantize_bf16(ggml_type, blocks.data_ptr(), None, blocks.shape[0], k, w.data_ptr(),
+                                      torch.get_num_threads())
+        _check(rc, f"dequantize_gguf (type {ggml_type}, K {k})")
+        return w
     w = torch.empty(blocks.shape[0], k, dtype=torch.float32)
     rc = lib.ldqa_gguf_dequantize(ggml_type, blocks.data_ptr(), blocks.shape[0], k, w.data_ptr(),
                                   torch.get_num_threads())

@@ -351,6 +351,55 @@ int ldqa_gguf_dequantize(int64_t type, const uint8_t *w, int64_t rows, int64_t K
     return 0;
 }
 
+/* fp32 -> bf16 bits, rounded to nearest even; NaN -> 0x7FC0: torch's `.to(torch.bfloat16)` bit for bit */
+static inline uint16_t bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void to_bf16(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_rne(x[i]);
+}
+
+/* out (rows, K) bf16 bits = ldqa_gguf_dequantize's fp32 values rounded to bf16 (as torch rounds them), one
+ * row at a time through a per-thread fp32 row: a prefill's bf16 GEMM weight in one pass over the blocks, with
+ * no (rows, K) fp32 copy written and read back. Q8_0 here is the split layout (qw (rows, K) int8 at `w`,
+ * fp16 scales (rows, K / 32) at `d`); the other types read `w` as shipped and ignore `d`. Returns 0, 1 for a
+ * type or K it does not read, 2 for no memory. */
+int ldqa_dequantize_bf16(int64_t type, const uint8_t *w, const uint16_t *d, int64_t rows, int64_t K,
+                         uint16_t *out, int threads) {
+    const int64_t rb = type == T_Q8_0 ? K : gguf_row_bytes(type, K);
+    if (!rb || K % QK) return 1;
+    int rc = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *row = malloc(K * sizeof(float));
+        if (!row) {
+#pragma omp atomic write
+            rc = 2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!row) continue;
+            if (type == T_Q8_0) {
+                const int8_t *q = (const int8_t *)w + r * K;
+                const uint16_t *dr = d + r * (K / QK);
+                for (int64_t b = 0; b < K / QK; b++) {
+                    const float s = _cvtsh_ss(dr[b]);
+                    for (int l = 0; l < QK; l++) row[b * QK + l] = (float)q[b * QK + l] * s;
+                }
+            } else {
+                gguf_dequantize_row(type, w + r * rb, K, row);
+            }
+            to_bf16(row, K, out + r * K);
+        }
+        free(row);
+    }
+    return rc;
+}
+
 /* ------------------------------------------------------------------------------------------------
  * Fused decode halves of one decoder layer (one token, batch 1): everything of a layer but attention
  * itself, so a decode step makes two calls per layer instead of ~100 small torch ops. Attention stays in

@@ -243,3 +243,13 @@ def test_bench_decode_attention_times_every_packaged_shape(tmp_path):
     rows = json.loads((tmp_path / "bench-decode-attention.json").read_text())
     assert [r["model"] for r in rows] == [s[0] for s in bench.SHAPES]
     assert all(r["keys"] == 40 and r["us_per_call"] > 0 for r in rows)
+
+
+def test_bf16_dequantize_q8_0_rounds_as_torch_does():
+    # the C path (fp16 scale x int8 in fp32, rounded to nearest even) against torch's fp32 product rounded by
+    # `.to`; scales spread over many binades so that every rounding case (ties included) occurs
+    q, d = _q8(29, 256, seed=3, scale=0.5)
+    d = (d.float() * torch.logspace(-3, 3, 29)[:, None]).to(torch.float16)
+    want = (q.float().reshape(29, 8, 32) * d.float()[..., None]).reshape(29, 256).to(torch.bfloat16)
+    got = C.dequantize_q8_0(q, d, torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -43,6 +43,16 @@ def test_dequantize_matches_the_gguf_package_bit_for_bit(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
+def test_bf16_dequantize_rounds_as_torch_does(ggml_type):
+    # a prefill's bf16 GEMM weight is dequantized straight to bf16 in C: the same bits as the fp32 values
+    # rounded by torch (nearest even); 37 rows on 2 threads, so rows split between threads
+    blocks = random_blocks(ggml_type, 37, 512, seed=ggml_type + 100)
+    want = C.dequantize_gguf(blocks, ggml_type, 512).to(torch.bfloat16)
+    got = C.dequantize_gguf(blocks, ggml_type, 512, dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
 @pytest.mark.parametrize("m", [1, 3, 6])
 def test_kernel_matches_the_reference(ggml_type, m):
     k, n = 768, 45
