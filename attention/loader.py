@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from ldqa.attention.cache_dir import cache_root  # noqa: F401  (re-exported: callers read loader.cache_root)
 from ldqa.attention.config import ModelConfig, UnsupportedModelError
 from ldqa.attention.model import Transformer
+from ldqa.attention.memory import retain_freed_memory
 from ldqa.attention.model_packages import PACKAGED_MODELS, PARTED, PackageError, check_installed
 from ldqa.attention.model_packages import assemble as assemble_parts
 from ldqa.attention.quant import (DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QEmbedding, QLinear, WeightFormatError,
@@ -225,6 +226,7 @@ def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int
     """
     check_weights(weights, group_size)
     check_kv_dtype(kv_dtype)
+    retain_freed_memory()  # a prefill's buffers are reused, not faulted in again (attention/memory.py)
     gs = group_size if weights == "int4" else DEFAULT_GROUP_SIZE
     key = (name, weights, gs, kv_dtype)
     with _LOCK:
