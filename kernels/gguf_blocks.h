@@ -565,12 +565,14 @@ static void gguf_dequantize_row(int64_t type, const uint8_t *w, int64_t K, float
                     const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
                     const int8_t *sc = (const int8_t *)(blk + 192 + 8 * h);
                     float *y = out + i + 128 * h;
-                    for (int l = 0; l < 32; l++) {
-                        const int is = l / 16;
-                        y[l] = d * sc[is] * (((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
-                        y[l + 32] = d * sc[is + 2] * (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-                        y[l + 64] = d * sc[is + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-                        y[l + 96] = d * sc[is + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+                    for (int g = 0; g < 2; g++) { /* 16 weights per scale: (d * sc) first, then times (q - 32) */
+                        const float s0 = d * sc[g], s1 = d * sc[g + 2], s2 = d * sc[g + 4], s3 = d * sc[g + 6];
+                        for (int l = 16 * g; l < 16 * g + 16; l++) {
+                            y[l] = s0 * (float)(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                            y[l + 32] = s1 * (float)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                            y[l + 64] = s2 * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                            y[l + 96] = s3 * (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+                        }
                     }
                 }
             }
