@@ -98,7 +98,7 @@ def check_chat_template(mode) -> str:
 
 
 def chat_format(tokenizer, instruction: str, model: str = "the model") -> ChatFormat | None:
-    """The ChatFormat of `tokenizer` (`ldqa.attention.loader.Tokenizer`) with `instruction` as the system
+    """The ChatFormat of `tokenizer` (`ldqa.attention.tokenizer.Tokenizer`) with `instruction` as the system
     message; None when the tokenizer has no chat template.
 
     Raises ChatTemplateError (naming `model`) when the template fails to render both with a system message

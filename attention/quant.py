@@ -343,8 +343,8 @@ def quantize_portable(w: torch.Tensor, fmt: str, group_size: int = DEFAULT_GROUP
     fp32/bf16 {"weight"}; int8 {"qweight" (N, K) int8, "scales" (N,) f32}; int4 {"nibbles" (N, K/2) uint8,
     "scales", "zeros" (N, K/g) f32, "group_size" 0-dim int}; q8_0 {"qweight" (N, K) int8, "bscales"
     (N, K/32) f16}. An int4 weight the op cannot take, or a q8_0 weight whose K is not a multiple of 32,
-    is int8. gguf keeps a GGUF file's blocks ({"blocks" (N, row bytes) uint8, "ggml_type" 0-dim int64}: the
-    loader's `gguf_portable`); a float weight asked for gguf has no blocks and is q8_0."""
+    is int8. gguf keeps a GGUF file's blocks ({"blocks" (N, row bytes) uint8, "ggml_type" 0-dim int64}, as
+    `weight_cache._gguf_blocks` reads them); a float weight asked for gguf has no blocks and is q8_0."""
     check_format(fmt, group_size)
     if fmt == "gguf":
         fmt = "q8_0"

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from ldqa.attention.loader import load_model, resolve_gguf
+from ldqa.attention.loader import load_model
+from ldqa.attention.model_sources import resolve_gguf
 from ldqa.attention.quant import QLinear, fuse_decode, model_nbytes, unfuse_decode
 
 QUESTION = "\n\nQuestion: What torque should the fan hub bolts be tightened to?\nAnswer:"
@@ -209,7 +210,8 @@ def shape_check(fmt: str, new_tokens: int = 8) -> dict:
     """A random-weight model with Llama-3.2-1B's shapes in `fmt`, built one tensor at a time: its
     resident bytes, peak RSS growth while building, decode tokens/s."""
     from ldqa.attention.config import ModelConfig
-    from ldqa.attention.loader import _build_model, quantize_rows
+    from ldqa.attention.loader import _build_model
+    from ldqa.attention.weight_cache import quantize_rows
 
     cfg = ModelConfig(family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
                       num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0, tie_embeddings=True,

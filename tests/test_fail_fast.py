@@ -21,7 +21,7 @@ import torch
 
 from ldqa.app.api import LongDocQA
 from ldqa.app.cli import main
-from ldqa.attention import loader
+from ldqa.attention import loader, model_sources
 from ldqa.attention.config import UnsupportedModelError
 from ldqa.attention.generate import NonFiniteLogitsError, SamplingConfig, start_generation
 from ldqa.attention.loader import (ModelLoadError, check_kv_dtype, check_model_name, default_weights,
@@ -94,7 +94,7 @@ def test_unsupported_gguf_is_refused_before_any_hashing_or_conversion(tmp_path, 
     def no_hashing(*a, **k):
         raise AssertionError("the architecture must be checked before the file is hashed or converted")
 
-    monkeypatch.setattr(loader, "file_sha256", no_hashing)
+    monkeypatch.setattr(model_sources, "file_sha256", no_hashing)
     path = write_gguf(tmp_path / "mamba.gguf", "mamba")
     for load in (load_model, loader.load_tokenizer):
         with pytest.raises(UnsupportedModelError, match="GGUF architecture 'mamba'"):
@@ -139,7 +139,8 @@ def test_a_gguf_cut_off_in_its_tensor_data_is_refused_with_the_sizes(tmp_path, m
     assert gguf_architecture(cut) == "llama"  # the header is intact
 
     monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(loader, "file_sha256", lambda *a, **k: pytest.fail("a truncated file must not be hashed"))
+    monkeypatch.setattr(model_sources, "file_sha256",
+                        lambda *a, **k: pytest.fail("a truncated file must not be hashed"))
     for refuse in (check_model_name, load_model, loader.load_tokenizer,
                    lambda name: LongDocQA(store=tmp_path / "store", model=name)):
         with pytest.raises(ModelLoadError) as e:

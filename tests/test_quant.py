@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ldqa.attention import loader
+from ldqa.attention import loader, model_sources, weight_cache
 from ldqa.attention.block_attention import BlockRuntime
 from ldqa.attention.generate import SamplingConfig, start_generation
 from ldqa.attention.loader import load_model
@@ -200,8 +200,8 @@ def test_truncated_or_stale_cache_is_rebuilt(tiny_model_dir, monkeypatch):
     lm = load_model(d, weights="int8")
     ids = _prompt(lm, 20)
     want = _logits(lm, ids)
-    src = loader._source(d)
-    path = loader._weights_path(src, "int8", 64)
+    src = model_sources._source(d)
+    path = weight_cache._weights_path(src, "int8", 64)
     assert path.exists()
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # a crash halfway through someone's copy
@@ -210,7 +210,7 @@ def test_truncated_or_stale_cache_is_rebuilt(tiny_model_dir, monkeypatch):
     assert torch.equal(_logits(again, ids), want)
     assert path.stat().st_size == len(data)
     # a cache written by another torch version is rebuilt, not fed to this one's ops
-    monkeypatch.setattr(loader, "_cache_metadata", lambda w, g: {"ldqa_weights": "2", "format": w,
+    monkeypatch.setattr(weight_cache, "_cache_metadata", lambda w, g: {"ldqa_weights": "2", "format": w,
                                                                  "group_size": str(g), "torch": "9.9"})
     loader._LOADED.clear()
     mtime = path.stat().st_mtime_ns
