@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ldqa.attention.choices import HEADER_MODES, SELECT_METHODS
 from ldqa.attention.kv_cache import KVCache
 from ldqa.kernels import dispatch
 
@@ -45,16 +46,14 @@ log = logging.getLogger(__name__)
 # the smallest share measured within noise of full attention on the default model (docs/results.md,
 # "Block reuse: where the points go")
 DEFAULT_RECOMPUTE_RATIO = 0.3
-HEADER_MODES = ("cached", "fresh")
 DEFAULT_HEADERS = "cached"
-# How block+recompute chooses the tokens it recomputes (`BlockRuntime._choose`): "question" ranks every
-# passage token by the attention the question's queries give it over the assembled cache and takes the
-# top ratio of the whole context in windows of SELECT_WINDOW tokens (question-aware, as ProphetKV / A^3 /
+# How block+recompute chooses the tokens it recomputes (`BlockRuntime._choose`; the names are
+# `choices.SELECT_METHODS`): "question" ranks every passage token by the attention the question's queries
+# give it over the assembled cache and takes the top ratio of the whole context in windows of SELECT_WINDOW tokens (question-aware, as ProphetKV / A^3 /
 # CacheClip, 2025); "deviation" takes the ratio of each passage whose layer-1 keys deviate most from full
 # attention's (CacheBlend, Yao et al. 2025, sec. 4.3); "lead" the first ratio of each passage (header
 # first). A tuple of passage ranks (1-based) recomputes those passages whole, whatever the ratio (with
 # the gold passage's rank: an oracle for diagnostics).
-SELECT_METHODS = ("question", "deviation", "lead")
 DEFAULT_SELECT = "question"
 SELECT_WINDOW = 4
 # Whether block modes encode a chunk of a long document after its document's anchor (its first chunk;

@@ -71,12 +71,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ldqa.attention.choices import CALIBRATION_FORMS, DEBIAS_METHODS, DEBIAS_ORDERS
 from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.segments import passage_spans
 
 log = logging.getLogger(__name__)
 
-METHODS = ("none", "calibrate", "calibrate+reorder", "sort", "buckets")
+METHODS = DEBIAS_METHODS  # `ldqa.attention.choices`
 # RoPE base multipliers of the global layers, one branch each, for "buckets" (branch 0 is the model as
 # trained). Not tuned: the paper searches bases per model; ours are spread in log scale around 1. Far
 # smaller bases (x 0.002-0.01 of Gemma 3's 1e6) do fill each other's troughs (each puts the global layers'
@@ -96,7 +97,6 @@ MEASURE_ORDERS = {"full": 1, "block": 2, "block+recompute": 2}
 # U-shaped bias, a / b over-corrects the last slot: 65 questions, spread 13.8 -> 20.0; docs/results.md;
 # "pearson", (a - b) / sqrt(b): 200 questions, spread 10.0 -> 8.5, EM +0.6 points (SE 0.7), not enough to
 # change the default).
-CALIBRATION_FORMS = ("difference", "ratio", "pearson")
 CALIBRATION = {"full": "difference", "block": "ratio", "block+recompute": "ratio"}
 # The intervention's strength per calibration form (`log_weights`). "ratio": 1.2 gives the gold passage
 # of 60 held-out NQ questions (block, 20 passages, two orders) a median log-weight of 1.6-1.8 at every
@@ -115,15 +115,16 @@ SORT_ROUNDS = 2
 class DebiasConfig:
     """Position debiasing's settings.
 
-    method: one of `METHODS`; orders (1 or 2), calibration (one of `CALIBRATION_FORMS`) and strength
-    (a finite number >= 0): the calibrate methods' measurement orders, calibration form and intervention
-    strength; sort_rounds: attention sorting's rounds (>= 1); bucket_scales: Attention Buckets' RoPE base
-    multipliers (positive, branch 0 first). None = the default for the attention mode and method, filled
-    by `resolved`. Raises ValueError naming the API's keyword (debias=, debias_orders=, ...) for a value
-    out of range.
+    method: one of `METHODS`, or None for the attention mode's default (`choices.default_debias`, filled
+    by `engine.AttentionConfig.resolved`); orders (1 or 2), calibration (one of `CALIBRATION_FORMS`) and
+    strength (a finite number >= 0): the calibrate methods' measurement orders, calibration form and
+    intervention strength; sort_rounds: attention sorting's rounds (>= 1); bucket_scales: Attention
+    Buckets' RoPE base multipliers (positive, branch 0 first). None = the default for the attention mode
+    and method, filled by `resolved`. Raises ValueError naming the API's keyword (debias=, debias_orders=,
+    ...) for a value out of range.
     """
 
-    method: str = "none"
+    method: str | None = "none"
     orders: int | None = None
     calibration: str | None = None
     strength: float | None = None
@@ -131,9 +132,9 @@ class DebiasConfig:
     bucket_scales: tuple[float, ...] | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
+        if self.method is not None and self.method not in METHODS:
             raise ValueError(f"debias={self.method!r}: choose one of {', '.join(METHODS)}")
-        if self.orders is not None and (isinstance(self.orders, bool) or self.orders not in (1, 2)):
+        if self.orders is not None and (isinstance(self.orders, bool) or self.orders not in DEBIAS_ORDERS):
             raise ValueError(f"debias_orders={self.orders!r}: choose 1 (the given order) or 2 (also reversed), or "
                              "None for the default")
         if self.calibration is not None and self.calibration not in CALIBRATION_FORMS:
@@ -158,7 +159,11 @@ class DebiasConfig:
         """The settings the method runs with in attention `mode` ("full" or a block mode): the calibrate
         methods get `MEASURE_ORDERS[mode]`, `CALIBRATION[mode]` and `STRENGTH[form]` where not given,
         "sort" `SORT_ROUNDS`, "buckets" `BUCKET_SCALES`; knobs the method does not use become None
-        (orders/calibration/strength given with another method are logged as ignored)."""
+        (orders/calibration/strength given with another method are logged as ignored). Raises ValueError
+        when no method is set (None: `engine.AttentionConfig.resolved` fills the mode's default first)."""
+        if self.method is None:
+            raise ValueError("DebiasConfig.resolved needs a method: resolve through AttentionConfig.resolved, "
+                             "which fills the attention mode's default")
         if self.calibrates:
             form = self.calibration or CALIBRATION[mode]
             return DebiasConfig(self.method, self.orders or MEASURE_ORDERS[mode], form,

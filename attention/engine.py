@@ -22,7 +22,7 @@ back to full attention when its RoPE self-check failed). Debias methods: "none",
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,13 +30,11 @@ import torch
 from ldqa.attention.bias_curve import (Calibration, bias_cache_path, curve_key, estimate_bias,
                                        load_or_estimate_bias)
 from ldqa.attention.block_attention import BlockConfig
+from ldqa.attention.choices import ATTENTION_MODES, default_debias
 from ldqa.attention.context import Context, PrefillMemo, exact_prefill, policy_prefill
 from ldqa.attention.debias import DebiasConfig, DebiasStats
 from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.retrieval_attention import RetrievalConfig
-
-
-ATTENTION_MODES = ("full", "block", "block+recompute", "retrieval")
 
 
 @dataclass(frozen=True)
@@ -63,12 +61,13 @@ class AttentionConfig:
 
     @classmethod
     def from_kwargs(cls, attention: str = "full", recompute_ratio: float | None = None,
-                    block_headers: str | None = None, debias: str = "none", debias_orders: int | None = None,
+                    block_headers: str | None = None, debias: str | None = "none", debias_orders: int | None = None,
                     debias_calibration: str | None = None, debias_strength: float | None = None,
                     recompute_select: str | tuple[int, ...] | None = None, block_anchors: bool | None = None,
                     **retrieval) -> "AttentionConfig":
-        """The configuration from the API's flat keywords (`LongDocQA.stream`'s): `retrieval` holds
-        `RetrievalConfig` fields (None values = not given; top_k_keys="all" = every key). Raises
+        """The configuration from the API's flat keywords (`AnswerOptions.attention_config`'s): debias
+        None is the mode's default (filled by `resolved`); `retrieval` holds `RetrievalConfig` fields
+        (None values = not given; top_k_keys="all" = every key). Raises
         ValueError for an unknown mode, method or setting, a value out of range, or retrieval settings
         with another attention mode (the checks of `resolved` come on top)."""
         if attention not in ATTENTION_MODES:
@@ -93,10 +92,13 @@ class AttentionConfig:
 
     def resolved(self) -> "AttentionConfig":
         """This configuration with every default filled in (block settings for block modes,
-        `RetrievalConfig()` for "retrieval", the debias method's defaults for the mode) and knobs the mode
-        does not use cleared. Raises ValueError for debiasing with attention="retrieval" and for
-        "buckets" with anything but full attention."""
+        `RetrievalConfig()` for "retrieval", the mode's debias method when none is named,
+        `choices.default_debias`, and that method's defaults for the mode) and knobs the mode does not
+        use cleared. Raises ValueError for debiasing with attention="retrieval" and for "buckets" with
+        anything but full attention."""
         d = self.debias
+        if d.method is None:
+            d = replace(d, method=default_debias(self.mode))
         if d.method != "none" and self.mode == "retrieval":
             raise ValueError("debias methods work with attention='full', 'block' or 'block+recompute', not "
                              "'retrieval'")
