@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 from ldqa.app.chat import CHAT_INSTRUCTION, check_chat_template, split_citations
 from ldqa.app.citations import Citation, cite
+from ldqa.app.options import RETRIEVERS, SEARCH_OPTIONS, AnswerOptions  # noqa: F401  (RETRIEVERS re-exported)
+from ldqa.app.options import check as check_option
+from ldqa.app.options import default as option_default
 from ldqa.app.prompt import STOP_STRINGS, build_prompt, check_prompt_options
+from ldqa.attention.choices import ATTENTION_MODES, DEFAULT_DEBIAS, default_debias  # noqa: F401  (re-exported)
 from ldqa.retrieval.ingest import FileResult, IngestReport, ingest_files, progress_bar  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
@@ -29,40 +33,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RETRIEVERS = ("hybrid", "dense", "bm25")
 ABSTAINED = "abstained"  # the stop reason of an answer the model was not asked for (`Timings.stop_reason`)
 DEFAULT_MAX_NEW_TOKENS = 64  # answer cap when neither the caller nor the collection sets one
 # What `ask`/`stream`/`answer`, `ldqa ask`/`demo` and the web app answer with when the user names nothing:
-# chosen by the defaults study (`python -m ldqa.eval.bench_defaults`; docs/defaults.md), accuracy first,
-# then time to answer. `ldqa ingest` precomputes KV blocks by default when DEFAULT_ATTENTION is a
-# block mode (`precompute_kv_by_default`).
-DEFAULT_ATTENTION = "full"
-DEFAULT_TOP_K = 5
-# debias=None means the measured best method of the attention mode (`default_debias`): nothing with full
-# attention (the defaults study: calibrate's mean paired gain +1.7 points, SE 2.5, is not
-# separable from none, F1 -7.0 on essays at top 10, and it costs time), calibrate+reorder in block modes
-# (+4 points over block/none; docs/attention.md), nothing with retrieval attention (cannot be debiased).
-DEFAULT_DEBIAS = {"full": "none", "block": "calibrate+reorder", "block+recompute": "calibrate+reorder",
-                  "retrieval": "none"}
-# `ask` answers ABSTAIN_PHRASE without running the LLM when no retrieved passage reaches this dense cosine
-# similarity (MiniLM): the question is about nothing in the collection. Chosen by
-# `python -m ldqa.eval.bench_abstain --part retrieval` (docs/documents-and-limits.md): midway between the
-# off-topic questions on the bundled sample (at most 0.218) and the lowest answerable ones (0.323 on the
-# sample; no answerable NQ-open question of 200 is below 0.3); higher thresholds catch more NQ questions
-# whose answer was removed (0.4: 41%) but would refuse answerable questions of the sample.
-ABSTAIN_BELOW = 0.25
-
-
-def default_debias(attention: str) -> str:
-    """The debias method a question in attention mode `attention` gets when the caller names none
-    (`DEFAULT_DEBIAS`; "none" for a mode it does not list)."""
-    return DEFAULT_DEBIAS.get(attention, "none")
+# the defaults of `AnswerOptions` (`ldqa.app.options`, where each says why), here by name.
+DEFAULT_ATTENTION = option_default("attention")
+DEFAULT_TOP_K = option_default("top_k")
+ABSTAIN_BELOW = option_default("abstain_below")
 
 
 def precompute_kv_by_default() -> bool:
     """Whether `ldqa ingest` (and the demo) encode every new chunk's KV block at ingest time: when the
-    default attention mode reuses stored blocks, so the first question over new documents is warm too."""
-    return DEFAULT_ATTENTION.startswith("block")
+    default attention mode (`AnswerOptions.attention`'s default) reuses stored blocks, so the first
+    question over new documents is warm too."""
+    return option_default("attention").startswith("block")
 
 
 def repeats_itself(text: str, n: int = 4, below: float = 0.25) -> bool:
@@ -552,31 +536,16 @@ class LongDocQA:
         _check_question(question, top_k, retriever)
         return self.retriever.search(question, top_k=top_k, mode=retriever)
 
-    def ask(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = "hybrid",
-            attention: str = DEFAULT_ATTENTION, max_new_tokens: int | None = None,
-            recompute_ratio: float | None = None, debias: str | None = None,
-            block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
-            debias_orders: int | None = None, debias_calibration: str | None = None,
-            debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
-            recompute_select: str | tuple[int, ...] | None = None,
-            block_anchors: bool | None = None, **retrieval) -> Answer:
-        """Answer `question` from the collection (blocking). See `stream` for arguments and errors."""
-        return self.stream(question, top_k, retriever, attention, max_new_tokens, recompute_ratio, debias,
-                           block_headers, instruction, answer_prefix, debias_orders=debias_orders,
-                           debias_calibration=debias_calibration, debias_strength=debias_strength,
-                           abstain_below=abstain_below, recompute_select=recompute_select,
-                           block_anchors=block_anchors, **retrieval).result()
+    def ask(self, question: str, options: AnswerOptions | None = None, **overrides) -> Answer:
+        """Answer `question` from the collection (blocking). See `stream` for the options and errors."""
+        return self.stream(question, options, **overrides).result()
 
-    def stream(self, question: str, top_k: int = DEFAULT_TOP_K, retriever: str = "hybrid",
-               attention: str = DEFAULT_ATTENTION, max_new_tokens: int | None = None,
-               recompute_ratio: float | None = None, debias: str | None = None,
-               block_headers: str | None = None, instruction: str | None = None, answer_prefix: str = "",
-               debias_orders: int | None = None, debias_calibration: str | None = None,
-               debias_strength: float | None = None, abstain_below: float | None = ABSTAIN_BELOW,
-               recompute_select: str | tuple[int, ...] | None = None,
-            block_anchors: bool | None = None, **retrieval) -> AnswerStream:
+    def stream(self, question: str, options: AnswerOptions | None = None, **overrides) -> AnswerStream:
         """Answer `question`, streaming text pieces; `.answer` (or `.result()`) gives the Answer.
 
+        options: an `AnswerOptions` (None: the defaults); `overrides`: its fields by name, replacing those
+        of `options` (``qa.stream(q, top_k=3, attention="block")``). Each option's allowed values and
+        default are in `ldqa.app.options`; what they do:
         top_k >= 1 passages from `retriever` ("hybrid" RRF of dense + BM25, "dense", "bm25");
         attention: "full" (exact attention over the whole prompt), "block" (each passage's KV states
         computed once, stored and reused, re-positioned by RoPE re-encoding; only the question and the
@@ -584,19 +553,21 @@ class LongDocQA:
         recomputation of a `recompute_ratio` fraction of the passage tokens (default 0.3), chosen by
         `recompute_select`: "question" (the default: the tokens the question attends to most, over the whole
         context), "deviation" (CacheBlend, per passage), "lead",
-        or a tuple of passage ranks recomputed whole; `ldqa.attention.block_attention.SELECT_METHODS`;
+        or a tuple of passage ranks recomputed whole; `ldqa.attention.choices.SELECT_METHODS`;
         block_anchors=True in block modes encodes a chunk of a long document after its document's first
         chunk, Star Attention's anchor, default `block_attention.DEFAULT_ANCHORS`) or
         "retrieval" (exact prefill, then each decode step of a global-attention layer attends to the sink,
         the recent window and the top keys an ANN index over the cached keys returns: RetrievalAttention;
-        keyword settings `top_k_keys` (an int, or "all" for exact attention), `window`, `sink`, `index`,
-        `scan_fraction`, `follow` (carry-over of the previous step's best keys), `estimate` (the
-        estimation zone for the keys not retrieved) of `ldqa.attention.retrieval_attention.RetrievalConfig`).
+        settings `top_k_keys` (an int, or "all" for exact attention), `window`, `sink`, `index`,
+        `scan_fraction`, `cluster_size`, `min_indexed`, `follow` (carry-over of the previous step's best
+        keys), `estimate` (the estimation zone for the keys not retrieved) of
+        `ldqa.attention.retrieval_attention.RetrievalConfig`, None for its default).
         debias: "none", "calibrate" (found-in-the-middle calibrated attention intervention),
         "calibrate+reorder" (also move the most relevant passages to the best-attended slots) or "sort"
         (attention sorting); see `ldqa.attention.debias` (not with attention="retrieval"). None (the
-        default): the mode's measured best, `default_debias(attention)` ("none" with full attention,
-        "calibrate+reorder" in block modes, "none" with retrieval attention; docs/defaults.md).
+        default): the mode's measured best, filled by `AttentionConfig.resolved` (`default_debias`: "none"
+        with full attention, "calibrate+reorder" in block modes, "none" with retrieval attention;
+        docs/defaults.md).
         debias_orders: passage orders the two calibrate methods measure attention in: 1 (the given
         order) or 2 (also reversed; each passage's calibrated relevance averaged over its two slots);
         default `ldqa.attention.debias.MEASURE_ORDERS` (2 in block modes: one more re-assembly from
@@ -610,6 +581,7 @@ class LongDocQA:
         then only reorders); default `ldqa.attention.debias.STRENGTH` for the calibration form.
         block_headers: "cached" (default; each "Passage [n]" header is a reused block, only the question
         is computed fresh) or "fresh" (headers computed with the question, attending to all before them).
+        max_new_tokens: the answer cap (tokens); None: this object's `max_new_tokens`.
         instruction: the prompt's instruction (default `ldqa.app.prompt.INSTRUCTION`); answer_prefix: the
         start of the answer, after "Answer:" (e.g. 'Corresponding value: "' for key-value retrieval); the
         answer's text is the model's continuation of it (see `ldqa.app.prompt.build_prompt`).
@@ -617,83 +589,70 @@ class LongDocQA:
         (dense and hybrid retrieval; bm25 has no such score), the answer is `prompt.ABSTAIN_PHRASE`
         ("Not found in the documents.") with the passages it looked at and no citation, and the LLM does
         not run (settings.abstained, settings.best_dense_score); None or 0 turns it off. Default
-        `ABSTAIN_BELOW` (0.25, measured; see there).
+        `ABSTAIN_BELOW` (0.25, measured; see `AnswerOptions.abstain_below`).
         The prompt is counted in the model's tokens before anything is computed: the question (with the
         instruction and max_new_tokens) before retrieval, with the best passage before the abstain_below
         check; when the whole prompt and max_new_tokens do not fit the model's window, the lowest-ranked
         passages are left out (settings.passages_dropped).
-        Raises ValueError (empty question, top_k < 1, unknown retriever/attention mode or setting,
-        instruction/answer_prefix not strings), PromptTooLongError (a ValueError: the question with the
-        instruction and max_new_tokens does not fit the model's window, or leaves no room for one
-        passage), EmptyCollectionError (nothing ingested yet); while
-        streaming, NonFiniteLogitsError when the model's logits hold NaN/inf (no empty answer is returned
-        as if it were one: the message names the model and weight format and says which to use).
+        Raises ValueError (empty question; an unknown option or a value it does not allow, naming it; a
+        combination the attention mode refuses), TypeError (`options` not an AnswerOptions),
+        PromptTooLongError (a ValueError: the question with the instruction and max_new_tokens does not
+        fit the model's window, or leaves no room for one passage), EmptyCollectionError (nothing
+        ingested yet); while streaming, NonFiniteLogitsError when the model's logits hold NaN/inf (no
+        empty answer is returned as if it were one: the message names the model and weight format and
+        says which to use).
         """
-        from ldqa.attention.engine import AttentionConfig
-
-        _check_question(question, top_k, retriever)
-        check_prompt_options(instruction, answer_prefix)
-        debias = default_debias(attention) if debias is None else debias
-        given = AttentionConfig.from_kwargs(attention, recompute_ratio, block_headers, debias, debias_orders,
-                                            debias_calibration, debias_strength, recompute_select=recompute_select,
-                                            block_anchors=block_anchors,
-                                            **retrieval)
+        _check_question(question)
+        o = AnswerOptions.of(options, **overrides)
+        check_prompt_options(o.instruction, o.answer_prefix)
+        given = o.attention_config()
         cfg = given.resolved()
-        if abstain_below is not None and (isinstance(abstain_below, bool) or
-                                          not isinstance(abstain_below, (int, float)) or not -1 <= abstain_below <= 1):
-            raise ValueError(f"abstain_below must be a cosine similarity in [-1, 1] or None, got {abstain_below!r}")
         self.warm_up()  # model loading is not part of a question's timings
-        budget = max_new_tokens or self.max_new_tokens
-        self._check_budget(question, [], budget, instruction, answer_prefix)
+        budget = o.max_new_tokens or self.max_new_tokens
+        self._check_budget(question, [], budget, o.instruction, o.answer_prefix)
         t0 = time.perf_counter()
-        passages = self.retriever.search(question, top_k=top_k, mode=retriever)
+        passages = self.retriever.search(question, top_k=o.top_k, mode=o.retriever)
         retrieval_ms = _ms(t0)
-        self._check_budget(question, passages[:1], budget, instruction, answer_prefix)  # before the relevance check
-        base = {"top_k": top_k, "retriever": retriever}
-        extra = _prompt_settings(instruction, answer_prefix)
+        self._check_budget(question, passages[:1], budget, o.instruction, o.answer_prefix)  # before the relevance check
+        base = {"top_k": o.top_k, "retriever": o.retriever}
+        extra = _prompt_settings(o.instruction, o.answer_prefix)
         dense = [p.dense_score for p in passages if getattr(p, "dense_score", None) is not None]
-        if abstain_below and dense:
-            extra |= {"abstain_below": float(abstain_below), "best_dense_score": max(dense),
-                      "abstained": max(dense) < abstain_below}
+        if o.abstain_below and dense:
+            extra |= {"abstain_below": float(o.abstain_below), "best_dense_score": max(dense),
+                      "abstained": max(dense) < o.abstain_below}
             if extra["abstained"]:
-                return self._abstention(question, passages, given, retrieval_ms, base, extra, t0)
-        return self._answer_stream(question, passages, cfg, max_new_tokens, retrieval_ms, base, extra, t0)
+                return self._abstention(question, passages, given, cfg.debias.method, retrieval_ms, base, extra, t0)
+        return self._answer_stream(question, passages, cfg, o.max_new_tokens, retrieval_ms, base, extra, t0)
 
-    def answer(self, question: str, passages: list, attention: str = DEFAULT_ATTENTION,
-               max_new_tokens: int | None = None, recompute_ratio: float | None = None,
-               debias: str | None = None, block_headers: str | None = None,
-               instruction: str | None = None, answer_prefix: str = "", debias_orders: int | None = None,
-               debias_calibration: str | None = None, debias_strength: float | None = None,
-               recompute_select: str | tuple[int, ...] | None = None,
-            block_anchors: bool | None = None, **retrieval) -> Answer:
+    def answer(self, question: str, passages: list, options: AnswerOptions | None = None, **overrides) -> Answer:
         """Answer `question` over given passages (no retrieval), in the given order, numbered [1]..[k].
 
         passages: objects with `title`, `text`, `page` (may be None) and optionally `chunk_id`, `doc_id`,
         `path`, `start`, `end` (e.g. RetrievedPassage, or `Passage` records for benchmarks). Blocks of
-        passages without a chunk_id are stored but not tied to a document. `attention` and the retrieval
-        settings, `debias` (None: `default_debias(attention)`), `instruction`, `answer_prefix`,
-        `debias_orders`, `debias_calibration`, `debias_strength`, `recompute_select` and `block_anchors` as in
-        `stream` (anchors need passages of this collection: a `chunk_id` and `doc_id` it holds). Raises ValueError (empty question or passages, a bad setting),
+        passages without a chunk_id are stored but not tied to a document. options and overrides: an
+        `AnswerOptions` and its fields by name, as in `stream`, less those that find passages (top_k,
+        retriever, abstain_below: `SEARCH_OPTIONS`, not taken here; an `options` object's are ignored).
+        Block anchors need passages of this collection (a `chunk_id` and `doc_id` it holds). Raises
+        ValueError (empty question or passages, a search option given, a bad setting),
         NonFiniteLogitsError when the model's logits hold NaN/inf.
         """
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question is empty: ask something")
         if not passages:
             raise ValueError("passages is empty: give at least one passage")
-        from ldqa.attention.engine import AttentionConfig
-
-        debias = default_debias(attention) if debias is None else debias
-        cfg = AttentionConfig.from_kwargs(attention, recompute_ratio, block_headers, debias, debias_orders,
-                                          debias_calibration, debias_strength, recompute_select=recompute_select,
-                                            block_anchors=block_anchors,
-                                          **retrieval)
-        check_prompt_options(instruction, answer_prefix)
+        given = sorted(set(overrides) & set(SEARCH_OPTIONS))
+        if given:
+            raise ValueError(f"{', '.join(given)}: answer() is given its passages; {', '.join(SEARCH_OPTIONS)} "
+                             "only apply to ask() and stream()")
+        o = AnswerOptions.of(options, **overrides)
+        cfg = o.attention_config()
+        check_prompt_options(o.instruction, o.answer_prefix)
         cfg = cfg.resolved()
         passages = [p if hasattr(p, "chunk_id") else Passage.of(p) for p in passages]
         self.llm  # noqa: B018  (load before timing)
-        return self._answer_stream(question, passages, cfg, max_new_tokens, 0.0,
+        return self._answer_stream(question, passages, cfg, o.max_new_tokens, 0.0,
                                    {"top_k": len(passages), "retriever": "given"},
-                                   _prompt_settings(instruction, answer_prefix), time.perf_counter()).result()
+                                   _prompt_settings(o.instruction, o.answer_prefix), time.perf_counter()).result()
 
     def _anchored(self, passages: list) -> list:
         """`passages` with `anchor` set to their document's first chunk where the passage is a later chunk
@@ -772,13 +731,14 @@ class LongDocQA:
         stream._pieces = self._generate(stream, question, passages, retrieval_ms, settings, max_new, t0, cfg)
         return stream
 
-    def _abstention(self, question, passages, given, retrieval_ms, base, extra, t0) -> AnswerStream:
+    def _abstention(self, question, passages, given, debias, retrieval_ms, base, extra, t0) -> AnswerStream:
         """The answer when no passage is close enough to the question: ABSTAIN_PHRASE, no LLM run; the
-        settings show the attention options as given (`given`, an unresolved AttentionConfig)."""
+        settings show the attention options as given (`given`, an unresolved AttentionConfig), with the
+        debias method `debias` it resolves to."""
         from ldqa.app.prompt import ABSTAIN_PHRASE
 
         d = given.debias
-        settings = Settings(**base, debias=d.method, debias_orders=d.orders, debias_calibration=d.calibration,
+        settings = Settings(**base, debias=debias, debias_orders=d.orders, debias_calibration=d.calibration,
                             debias_strength=d.strength, block_headers=given.block.headers, **extra,
                             attention=given.mode, model=self.model_name, weights=self.weights, kv_dtype=self.kv_dtype)
         timings = Timings(retrieval_ms=retrieval_ms, stop_reason=ABSTAINED, total_ms=_ms(t0))
@@ -867,8 +827,8 @@ def _timings(s, retrieval_ms: float, total_ms: float, built) -> Timings:
 
 
 def _check_max_new(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
+    """`n` when it is an answer cap `AnswerOptions.max_new_tokens` allows (not None); ValueError otherwise."""
+    check_option("max_new_tokens", n, optional=False)
     return n
 
 
@@ -919,23 +879,12 @@ class Passage:
         return cls(obj.title, obj.text, getattr(obj, "page", None), header=getattr(obj, "header", ""))
 
 
-def _check_question(question, top_k, retriever) -> None:
+def _check_question(question, top_k: int = 1, retriever: str = "hybrid") -> None:
+    """Raise ValueError for an empty question, or a `top_k` or `retriever` `AnswerOptions` does not allow."""
     if not isinstance(question, str) or not question.strip():
         raise ValueError("question is empty: ask something, e.g. ldqa ask \"What is ...?\"")
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-    if retriever not in RETRIEVERS:
-        raise ValueError(f"retriever={retriever!r}: choose one of {', '.join(RETRIEVERS)}")
-
-
-def __getattr__(name: str):
-    """ATTENTION_MODES, read from `ldqa.attention.engine` on first use (importing this module stays free
-    of torch: `ldqa --help` is instant)."""
-    if name == "ATTENTION_MODES":
-        from ldqa.attention.engine import ATTENTION_MODES
-
-        return ATTENTION_MODES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    check_option("top_k", top_k)
+    check_option("retriever", retriever)
 
 
 def _ms(t0: float) -> float:
