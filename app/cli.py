@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", choices=["flat", "hnsw"], default=None,
                    help="dense index: flat (exact, default for new stores) or hnsw (approximate)")
     p.add_argument("--json", action="store_true", help="print the IngestReport as JSON")
-    from ldqa.app.api import DEFAULT_ATTENTION, DEFAULT_DEBIAS, DEFAULT_TOP_K, precompute_kv_by_default
+    from ldqa.app import options
+    from ldqa.app.api import precompute_kv_by_default
 
     p.add_argument("--precompute-kv", action=argparse.BooleanOptionalAction, default=precompute_kv_by_default(),
                    help="also encode and store every new chunk's KV block, so the first question over it is warm "
@@ -73,62 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 'argument limit, or use --question-file)')
             p.add_argument("--question-file", default=None, metavar="FILE",
                            help="read the question from this UTF-8 text file instead of the command line")
-            p.add_argument("--instruction", default=None,
-                           help="the prompt's instruction, replacing ldqa's default (a task's own wording)")
-            p.add_argument("--answer-prefix", default="",
-                           help="the start of the answer, put after 'Answer:'; the model continues it "
-                                "(e.g. 'The value is \"')")
-        p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
-                       help=f"passages given to the model (default {DEFAULT_TOP_K})")
-        p.add_argument("--retriever", choices=["hybrid", "dense", "bm25"], default="hybrid")
-        p.add_argument("--attention", choices=["full", "block", "block+recompute", "retrieval"],
-                       default=DEFAULT_ATTENTION,
-                       help=f"(default {DEFAULT_ATTENTION}, measured: docs/defaults.md) full: exact attention over the prompt; block: reuse stored per-passage KV states "
-                            "(RoPE re-encoded); block+recompute: block plus recomputing a fraction of tokens; "
-                            "retrieval: exact prefill, then decode attends to sink + recent window + top-k keys "
-                            "from an ANN index over the cached keys (RetrievalAttention)")
-        p.add_argument("--top-k-keys", type=int, default=None,
-                       help="retrieval: keys retrieved per KV head per decode step (default 200)")
-        p.add_argument("--window", type=int, default=None, help="retrieval: recent-window tokens (default 128)")
-        p.add_argument("--sink", type=int, default=None, help="retrieval: attention-sink tokens (default 4)")
-        p.add_argument("--debias", choices=["none", "calibrate", "calibrate+reorder", "sort", "buckets"],
-                       default=None,
-                       help="(default: the attention mode's measured best, "
-                            + ", ".join(f"{m}: {d}" for m, d in DEFAULT_DEBIAS.items())
-                            + "; docs/defaults.md) position debiasing: calibrate (found-in-the-middle attention calibration), "
-                            "calibrate+reorder (also move relevant passages to well-attended slots), "
-                            "sort (attention sorting), buckets (Attention Buckets: parallel branches with "
-                            "different RoPE bases; full attention only)")
-        p.add_argument("--debias-orders", type=int, choices=[1, 2], default=None,
-                       help="calibrate methods: measure passage attention in the given order (1) or also reversed "
-                            "(2; default 2 in block modes, 1 with full attention)")
-        p.add_argument("--debias-calibration", choices=["difference", "ratio", "pearson"], default=None,
-                       help="calibrate methods: a passage's relevance from its measured attention a and the "
-                            "position-only bias curve b of its slot: a - b (difference), a / b (ratio) or the "
-                            "Pearson residual (a - b) / sqrt(b) (pearson) (default: difference with full "
-                            "attention, ratio in block modes)")
-        p.add_argument("--debias-strength", type=float, default=None,
-                       help="calibrate methods: the intervention's strength s >= 0, the scale of each passage's "
-                            "log attention weight (0: no rescaling; default 1.0 for difference and pearson, "
-                            "1.2 for ratio: ldqa.attention.debias.STRENGTH)")
-        p.add_argument("--block-headers", choices=["cached", "fresh"], default=None,
-                       help="block modes: cached (default; each 'Passage [n]' header is a reused block, only the "
-                            "question is computed fresh) or fresh (headers computed with the question)")
-        p.add_argument("--recompute-ratio", type=float, default=None,
-                       help="block+recompute: the fraction of the passage tokens recomputed (default 0.3)")
-        p.add_argument("--recompute-select", choices=["question", "deviation", "lead"], default=None,
-                       help="block+recompute: which tokens are recomputed: question (those the question attends "
-                            "to most, over the whole context), deviation (per passage, those whose keys deviate "
-                            "most from full attention's; CacheBlend) or lead (each passage's first); default: "
-                            "ldqa.attention.block_attention.DEFAULT_SELECT")
-        p.add_argument("--block-anchors", action=argparse.BooleanOptionalAction, default=None,
-                       help="block modes: encode each chunk of a long document after its document's first chunk "
-                            "(Star Attention's anchor; default: ldqa.attention.block_attention.DEFAULT_ANCHORS)")
-        p.add_argument("--max-new-tokens", type=int, default=None,
-                       help="answer cap in tokens (default: the collection's saved setting, else 64)")
-        p.add_argument("--abstain-below", type=float, default=None,
-                       help="say 'Not found in the documents.' without asking the model when no retrieved passage "
-                            "reaches this dense cosine similarity (default 0.25, measured; 0 turns it off)")
+        options.add_arguments(p, name)  # every answering option of `AnswerOptions` this command has
         if name == "demo":
             p.add_argument("--no-compare", action="store_true",
                            help="skip answering the questions again with full attention and no debiasing "
@@ -156,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--concurrency", type=int, default=2, help="requests served at once (default 2)")
     p.add_argument("--max-upload-mb", type=float, default=50.0, help="largest accepted upload (default 50 MB)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument(options.flag("max_new_tokens"), type=options.parse_value("max_new_tokens"), default=None,
                    help="default answer cap in tokens (default: the collection's saved setting, else 64)")
     p.add_argument("--auth-file", default=None,
                    help="file of user:password lines for a login page (or set LDQA_UI_USER and LDQA_UI_PASSWORD); "
@@ -165,19 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a collection every session also searches, read-only in the web app (fill it with "
                         "ldqa ingest FILES --store DIR)")
     return ap
-
-
-def _abstain_kw(args) -> dict:
-    """--abstain-below as an `ask` keyword: absent = the API's default, 0 = off (None)."""
-    if args.abstain_below is None:
-        return {}
-    return {"abstain_below": args.abstain_below or None}
-
-
-def _retrieval_kw(args) -> dict:
-    """--top-k-keys/--window/--sink as `ask` keywords (only those given)."""
-    kw = {"top_k_keys": args.top_k_keys, "window": args.window, "sink": args.sink}
-    return {k: v for k, v in kw.items() if v is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,6 +179,8 @@ def read_question(args, stdin=None) -> str:
 
 
 def cmd_ask(args) -> int:
+    from ldqa.app.options import AnswerOptions
+
     question = read_question(args)
     qa = _qa(args)
     if args.save_settings:
@@ -253,16 +188,11 @@ def cmd_ask(args) -> int:
             raise ValueError("--save-settings saves --max-new-tokens: give it (e.g. --max-new-tokens 256)")
         saved = qa.save_answer_settings(args.max_new_tokens)
         print(f"ldqa ask: saved {saved} with the collection {qa.store.path}", file=sys.stderr)
-    kw = dict(top_k=args.top_k, retriever=args.retriever, attention=args.attention,
-              max_new_tokens=args.max_new_tokens, recompute_ratio=args.recompute_ratio,
-              recompute_select=args.recompute_select, block_anchors=args.block_anchors, debias=args.debias,
-              block_headers=args.block_headers, instruction=args.instruction, answer_prefix=args.answer_prefix,
-              debias_orders=args.debias_orders, debias_calibration=args.debias_calibration,
-              debias_strength=args.debias_strength, **_abstain_kw(args), **_retrieval_kw(args))
+    opts = AnswerOptions.from_args(args, "ask")
     if args.json:
-        print(json.dumps(qa.ask(question, **kw).to_dict(), indent=1, default=str))
+        print(json.dumps(qa.ask(question, opts).to_dict(), indent=1, default=str))
         return 0
-    stream = qa.stream(question, **kw)
+    stream = qa.stream(question, opts)
     for piece in stream:
         print(piece, end="", flush=True)
     print()
@@ -293,35 +223,32 @@ def print_answer_details(ans) -> None:
 def cmd_demo(args) -> int:
     import tempfile
 
-    from ldqa.app.api import default_debias, precompute_kv_by_default
+    from ldqa.app.api import precompute_kv_by_default
+    from ldqa.app.options import SEARCH_OPTIONS, AnswerOptions
     from ldqa.eval.metrics import best_subspan_em
 
     if args.store is None:  # a throwaway collection, removed at the end (give --store DIR to keep it)
         with tempfile.TemporaryDirectory(prefix="ldqa-demo-") as tmp:
             args.store = tmp
             return cmd_demo(args)
+    opts = AnswerOptions.from_args(args, "demo")
     store = args.store
     qa = _qa(args)
     print(f"== ingesting the bundled sample ({SAMPLE_DIR / 'docs'}) into {store}")
     report = qa.ingest([SAMPLE_DIR / "docs"])
     for f in report.files:
         print(f"  {f.status:9s} {Path(f.path).name}: {f.chunks} chunks {f.reason}")
-    if args.attention.startswith("block") and precompute_kv_by_default():  # as `ldqa ingest` does by default
+    if opts.attention.startswith("block") and precompute_kv_by_default():  # as `ldqa ingest` does by default
         kv = qa.precompute_kv()
         print(f"  KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
     questions = [json.loads(line) for line in (SAMPLE_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
-    args.debias = default_debias(args.attention) if args.debias is None else args.debias
-    setting = f"attention {args.attention}, debias {args.debias}"
-    kw = dict(top_k=args.top_k, retriever=args.retriever, max_new_tokens=args.max_new_tokens,
-              **_abstain_kw(args), **_retrieval_kw(args))
+    debias = _debias_of(opts)
+    setting = f"attention {opts.attention}, debias {debias}"
     correct = 0
     results, answers = [], []
     for q in questions:
         print(f"\n== Q: {q['question']}")
-        ans = qa.ask(q["question"], attention=args.attention, recompute_ratio=args.recompute_ratio,
-                     recompute_select=args.recompute_select, block_anchors=args.block_anchors, debias=args.debias,
-                     block_headers=args.block_headers, debias_orders=args.debias_orders,
-                     debias_calibration=args.debias_calibration, debias_strength=args.debias_strength, **kw)
+        ans = qa.ask(q["question"], opts)
         ok = best_subspan_em(ans.text, q["answers"])
         correct += ok
         print(f"A: {ans.text}\n   gold: {' | '.join(q['answers'])}  -> {'correct' if ok else 'wrong'}")
@@ -329,14 +256,18 @@ def cmd_demo(args) -> int:
         results.append(ans.to_dict() | {"gold": q["answers"], "correct": ok})
         answers.append(ans)
     # the same questions in a second setting, one line each beside the answers above: exact full attention
-    # without debiasing, or, when that is the setting, block attention with its default debiasing
-    other = ("full", "none") if (args.attention, args.debias) != ("full", "none") else ("block", default_debias("block"))
+    # without debiasing, or, when that is the setting, block attention with its default debiasing (the search
+    # options and the answer cap as in the first setting)
+    kept = {name: getattr(opts, name) for name in (*SEARCH_OPTIONS, "max_new_tokens")}
+    second = AnswerOptions(**kept, attention="block") if (opts.attention, debias) == ("full", "none") else \
+        AnswerOptions(**kept, attention="full", debias="none")
+    other = (second.attention, _debias_of(second))
     if not args.no_compare:
         label = f"attention {other[0]}, debias {other[1]}"
         print(f"\n== the same questions: {setting} | {label}")
         other_correct = 0
         for q, r, first in zip(questions, results, answers):
-            ans = qa.ask(q["question"], attention=other[0], debias=other[1], **kw)
+            ans = qa.ask(q["question"], second)
             ok = best_subspan_em(ans.text, q["answers"])
             other_correct += ok
             r["compared"] = {"attention": other[0], "debias": other[1], "text": ans.text, "correct": ok,
@@ -350,6 +281,12 @@ def cmd_demo(args) -> int:
     if args.json:
         print(json.dumps(results, indent=1, default=str))
     return 0
+
+
+def _debias_of(opts) -> str:
+    """The debias method `opts` (`AnswerOptions`) answer with: its own, or its attention mode's default
+    (`AttentionConfig.resolved`)."""
+    return opts.attention_config().resolved().debias.method
 
 
 def _short(text: str, n: int) -> str:

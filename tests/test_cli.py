@@ -145,11 +145,11 @@ def test_demo_prints_a_second_setting_beside_the_first(tmp_path, tiny_model_dir)
 
 
 def test_ingest_precompute_default_follows_the_default_attention(monkeypatch):
-    from ldqa.app import api
     from ldqa.app.cli import build_parser
+    from ldqa.app.options import AnswerOptions
 
-    for mode, expected in (("full", False), ("block", True)):
-        monkeypatch.setattr(api, "DEFAULT_ATTENTION", mode)
+    for mode, expected in (("full", False), ("block", True)):  # the default's one place: AnswerOptions.attention
+        monkeypatch.setattr(AnswerOptions.__dataclass_fields__["attention"], "default", mode)
         ap = build_parser()
         assert ap.parse_args(["ingest", "x"]).precompute_kv is expected
         assert ap.parse_args(["ingest", "x", "--precompute-kv"]).precompute_kv is True
