@@ -30,8 +30,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from ldqa.app.api import ATTENTION_MODES, DEFAULT_ATTENTION, DEFAULT_TOP_K, RETRIEVERS, LongDocQA, default_debias
+from ldqa.app.api import LongDocQA
 from ldqa.app.collections import LOGIN_HINT, user_dir_name
+from ldqa.app.options import AnswerOptions, bounds, default, knob
 from ldqa.app.render import answer_facts
 from ldqa.retrieval.loaders import SUPPORTED_EXTENSIONS
 
@@ -258,8 +259,8 @@ class Server:
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": "_retrieving passages…_"}]
         yield history, "", gr.skip(), gr.skip(), gr.skip()
         try:
-            stream = self.qa_for(model, request).stream(q, top_k=int(top_k), retriever=retriever, attention=attention,
-                                               debias=_debias(debias), max_new_tokens=int(max_new))
+            opts = chat_options(top_k, retriever, attention, debias, max_new)
+            stream = self.qa_for(model, request).stream(q, opts)
         except Exception as e:  # empty collection, bad setting, model that cannot load: say so in the chat
             history[-1] = {"role": "assistant", "content": _ask_error(e)}
             yield history, gr.skip(), gr.skip(), gr.skip(), gr.skip()
@@ -428,9 +429,19 @@ DEFAULT_CHOICE = "default (the mode's measured best)"
 
 
 def _debias(choice: str | None) -> str | None:
-    """The debias dropdown's value as the API takes it: None for `DEFAULT_CHOICE` (`default_debias` of the
-    attention mode: none with full attention, calibrate+reorder in block modes, none with retrieval)."""
+    """The debias dropdown's value as the API takes it: None for `DEFAULT_CHOICE` (the attention mode's
+    default, filled by `AttentionConfig.resolved`: none with full attention, calibrate+reorder in block
+    modes, none with retrieval)."""
     return None if choice in (None, DEFAULT_CHOICE) else choice
+
+
+def chat_options(top_k, retriever, attention, debias, max_new) -> AnswerOptions:
+    """The `AnswerOptions` of the Chat settings' values, in the order of their controls (the /ask
+    endpoint's inputs after the question, the chat and the model; sliders give numbers, the debias
+    dropdown may give `DEFAULT_CHOICE`). Raises ValueError naming the option for a value it does not
+    allow."""
+    return AnswerOptions(top_k=int(top_k), retriever=retriever, attention=attention, debias=_debias(debias),
+                         max_new_tokens=int(max_new))
 
 
 def run_eval(model, attention, debias, lengths, depths, compare_full, store_dir, progress=gr.Progress(track_tqdm=True)):
@@ -442,12 +453,8 @@ def run_eval(model, attention, debias, lengths, depths, compare_full, store_dir,
 
     if not lengths or not depths:
         raise gr.Error("Choose at least one context length and one needle depth.")
-    from ldqa.attention.debias import DebiasConfig
-    from ldqa.attention.engine import AttentionConfig
-
-    debias = _debias(debias) or default_debias(attention)
-    try:  # the combination rules of AttentionConfig (debiasing not with retrieval, buckets only with full)
-        AttentionConfig(attention, debias=DebiasConfig(debias)).resolved()
+    try:  # the mode's default debiasing and the combination rules of AttentionConfig.resolved
+        debias = AnswerOptions(attention=attention, debias=_debias(debias)).attention_config().resolved().debias.method
     except ValueError as e:
         raise gr.Error(str(e)) from e
     out = Path(store_dir) / "eval-ui"
@@ -492,7 +499,6 @@ footer { display: none !important; }
 def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
     """The Gradio Blocks page over `qa`: every session's collection, or with `cfg.users_dir` the shared
     collection every user searches beside a private one. Launch it with `launch`."""
-    from ldqa.attention.debias import METHODS as DEBIAS_METHODS
     from ldqa.attention.loader import PACKAGED_MODELS
 
     cfg = cfg or UIConfig(max_new_tokens=qa.max_new_tokens)
@@ -519,11 +525,10 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                     with gr.Column(scale=9):
                         with gr.Accordion("Settings", open=False):
                             model = gr.Dropdown(models, value=qa.model_name, label="Model")
-                            top_k = gr.Slider(1, 10, value=DEFAULT_TOP_K, step=1, label="Passages (top_k)")
-                            retriever = gr.Radio(list(RETRIEVERS), value="hybrid", label="Retriever")
-                            attention = gr.Dropdown(list(ATTENTION_MODES), value=DEFAULT_ATTENTION, label="Attention mode")
-                            debias = gr.Dropdown([DEFAULT_CHOICE, *DEBIAS_METHODS], value=DEFAULT_CHOICE,
-                                                 label="Position debiasing")
+                            top_k = option_slider("top_k")
+                            retriever = option_choice("retriever", gr.Radio)
+                            attention = option_choice("attention")
+                            debias = option_choice("debias")
                             max_new = answer_cap_slider(qa.context_length, cfg.max_new_tokens)
                         passages = gr.Dataframe(headers=PASSAGE_HEADERS, label="Retrieved passages (click a row to read it)",
                                                 interactive=False, elem_id="ldqa-passages", max_height=360,
@@ -579,11 +584,29 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
     return app
 
 
+def option_choice(name: str, kind=gr.Dropdown):
+    """A Chat-settings control of `AnswerOptions` field `name`: a `kind` (gr.Dropdown, gr.Radio) over its
+    allowed values, showing its default and its label; a field whose default is None (the debias method:
+    the attention mode's own) offers `DEFAULT_CHOICE` first and shows it."""
+    k = knob(name)
+    choices = ([DEFAULT_CHOICE] if default(name) is None else []) + list(k.choices)
+    return kind(choices, value=DEFAULT_CHOICE if default(name) is None else default(name), label=k.label)
+
+
+def option_slider(name: str) -> gr.Slider:
+    """A Chat-settings slider of integer `AnswerOptions` field `name`: its allowed minimum to its
+    `Knob.slider_max`, at its default, with its label."""
+    low, _ = bounds(name)
+    return gr.Slider(low, knob(name).slider_max, value=default(name), step=1, label=knob(name).label)
+
+
 def answer_cap_slider(window: int, value: int) -> gr.Slider:
-    """The "Max new tokens" slider: 1 to the model's context window `window` (tokens), showing `value`
-    (the saved or served answer cap); its maximum is raised to `value` when that is larger, so a saved cap
-    is shown as it is and never makes the web app refuse a question."""
-    return gr.Slider(1, max(window, value), value=value, step=1, label="Max new tokens",
+    """The "Max new tokens" slider: `AnswerOptions.max_new_tokens`'s allowed range, 1 to the model's
+    context window `window` (tokens), showing `value` (the saved or served answer cap); its maximum is
+    raised to `value` when that is larger, so a saved cap is shown as it is and never makes the web app
+    refuse a question (the answer budget check says "lower max_new_tokens" in the chat instead)."""
+    low, high = bounds("max_new_tokens", context_length=window)
+    return gr.Slider(low, max(high, value), value=value, step=1, label=knob("max_new_tokens").label,
                      info=f"answer length cap; the model's window is {window:,} tokens", elem_id="ldqa-max-new")
 
 
