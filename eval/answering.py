@@ -160,6 +160,18 @@ def _recompute_kw(cfg: EvalConfig, mode: Mode, ex: dict) -> dict:
     return kw
 
 
+def mode_options(cfg: EvalConfig, mode: Mode, ex: dict, max_new: int, **search):
+    """The `AnswerOptions` example `ex` is answered with in `mode` (an ldqa attention mode, not "hf"):
+    the mode's attention and debias method, the answer cap `max_new`, the example's own instruction and
+    answer prefix, the block options of `_recompute_kw`, and `search` (top_k, retriever, abstain_below:
+    `ask` over a collection). Raises ValueError naming an option whose value is not allowed."""
+    from ldqa.app.options import AnswerOptions
+
+    return AnswerOptions(attention=mode.attention, debias=mode.debias, max_new_tokens=max_new,
+                         instruction=ex.get("instruction"), answer_prefix=ex.get("answer_prefix", ""),
+                         **_recompute_kw(cfg, mode, ex), **search)
+
+
 def retrieve_for(qa, cfg: EvalConfig, ex: dict, mode: Mode) -> dict:
     """The retrieval benchmark's example `ex` with its passages retrieved for `mode`: a copy with
     "passages" (the top ``cfg.top_k``) and "retrieved" (`rank_metrics` of the top 10 and retrieval_ms).
@@ -194,10 +206,9 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
         elif mode.attention == "hf":
             text, t = hf.answer(ex["question"], passages, max_new, **prompt, chat=qa.chat_format(prompt["instruction"]))
         else:
-            kw = _recompute_kw(cfg, mode, ex)
+            opts = mode_options(cfg, mode, ex, max_new)
             try:
-                ans = qa.answer(ex["question"], passages, attention=mode.attention, max_new_tokens=max_new,
-                                debias=mode.debias, **prompt, **kw)
+                ans = qa.answer(ex["question"], passages, opts)
                 text, t, used = ans.text, ans.timings.to_dict(), ans.settings.attention_used or mode.attention
                 t["passages_dropped"] = ans.settings.passages_dropped or 0
             except (NonFiniteLogitsError, PromptTooLongError) as e:  # an error row, not a wrong answer
@@ -226,18 +237,19 @@ class ContextIndexError(ValueError):
 def collection_settings(cfg: EvalConfig | None = None) -> dict:
     """What a per-record collection and its answers depend on besides the context and the run's
     settings: the chunking ldqa ingests with (`LongDocQA`'s chunk_tokens/overlap_tokens defaults, tokens of
-    the LLM's tokenizer, or `cfg`'s), the embedding model, `ask`'s abstention threshold (`ABSTAIN_BELOW`
-    or `cfg.abstain_below`) and `COLLECTION_FORMAT`. Part of the collection directory's key and of the
-    prediction cache key (`harness.mode_cache_key`); with none of `cfg`'s overrides set, the same dict (and keys)
-    as without `cfg`."""
+    the LLM's tokenizer, or `cfg`'s), the embedding model, `ask`'s abstention threshold (the default of
+    `AnswerOptions.abstain_below`, or `cfg.abstain_below`) and `COLLECTION_FORMAT`. Part of the collection
+    directory's key and of the prediction cache key (`harness.mode_cache_key`); with none of `cfg`'s
+    overrides set, the same dict (and keys) as without `cfg`."""
     import inspect
 
-    from ldqa.app.api import ABSTAIN_BELOW, LongDocQA
+    from ldqa.app.api import LongDocQA
+    from ldqa.app.options import default
     from ldqa.retrieval.embedders import DEFAULT_MODEL
 
     params = inspect.signature(LongDocQA.__init__).parameters
     st = {"chunk_tokens": params["chunk_tokens"].default, "overlap_tokens": params["overlap_tokens"].default,
-          "embedder": DEFAULT_MODEL, "abstain_below": ABSTAIN_BELOW, "format": COLLECTION_FORMAT}
+          "embedder": DEFAULT_MODEL, "abstain_below": default("abstain_below"), "format": COLLECTION_FORMAT}
     if cfg is not None:
         st |= {k: getattr(cfg, k) for k in ("chunk_tokens", "overlap_tokens", "abstain_below")
                if getattr(cfg, k) is not None}
@@ -345,9 +357,8 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
     from ldqa.eval.metrics import answer_in_passages
 
     row, error, text, t, warm, used, passages = {}, None, "", {}, None, mode.attention, []
-    kw = _recompute_kw(cfg, mode, ex)
-    ask = dict(top_k=cfg.top_k, retriever=mode.retriever, attention=mode.attention, max_new_tokens=max_new,
-               debias=mode.debias, abstain_below=collection_settings(cfg)["abstain_below"], **kw)
+    opts = mode_options(cfg, mode, ex, max_new, top_k=cfg.top_k, retriever=mode.retriever,
+                        abstain_below=collection_settings(cfg)["abstain_below"])
     item = None
     root = _context_file(qa, ex["context_sha256"], cfg).parent.parent
     with collection_lock(root), PeakMemory() as mem:
@@ -357,13 +368,13 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
             item.warm_up()
             if mode.attention.startswith("block"):
                 item.block_runtime  # noqa: B018  (RoPE self-check before the clock, once per LongDocQA)
-            ans = item.ask(ex["question"], **ask)
+            ans = item.ask(ex["question"], opts)
             text, t, passages = ans.text, ans.timings.to_dict(), ans.passages
             used = ans.settings.attention_used or mode.attention
             abstained = bool(ans.settings.abstained)
             if not abstained:
                 item.prefill_memo.clear()  # warm: blocks stored, but no copy of this exact prefill
-                warm = item.ask(ex["question"], **ask)
+                warm = item.ask(ex["question"], opts)
             row |= {"abstained": abstained}
             if ans.settings.passages_dropped:
                 row["passages_dropped"] = ans.settings.passages_dropped

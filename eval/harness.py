@@ -85,12 +85,14 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ldqa.app.api import ATTENTION_MODES, RETRIEVERS
+from ldqa.app import options
 from ldqa.eval.answering import RANK_KS, HFReference, answer_one, collection_settings, retrieve_for, write_context
 
 BENCHMARKS = ("nq-multidoc", "kv-retrieval", "niah", "retrieval", "jsonl")
-ENGINES = ATTENTION_MODES + ("hf",)
-DEBIAS_METHODS = ("none", "calibrate", "calibrate+reorder", "sort", "buckets")  # = ldqa.attention.debias.METHODS
+# the allowed values of `AnswerOptions` (ldqa.app.options), and the transformers reference "hf"
+ENGINES = options.knob("attention").choices + ("hf",)
+DEBIAS_METHODS = options.knob("debias").choices
+RETRIEVERS = options.knob("retriever").choices
 NIAH_DEFAULT = {"needle": "The secret ingredient of the Korvel kiln glaze is smoked paprika.",
                 "question": "What is the secret ingredient of the Korvel kiln glaze?", "answers": ["paprika"]}
 DEFAULT_MAX_NEW = {"nq-multidoc": 32, "kv-retrieval": 48, "niah": 16, "retrieval": 32, "jsonl": 64}
@@ -324,8 +326,11 @@ def _validate(cfg: EvalConfig) -> list[Mode]:
     if st["chunk_tokens"] < 1 or not 0 <= st["overlap_tokens"] < st["chunk_tokens"]:
         raise ValueError(f"--chunk-tokens {st['chunk_tokens']} / --overlap-tokens {st['overlap_tokens']}: need "
                          "chunk tokens >= 1 and 0 <= overlap < chunk tokens")
-    if not -1.0 <= st["abstain_below"] <= 1.0:
-        raise ValueError(f"--abstain-below {st['abstain_below']}: a cosine similarity, in -1..1 (0 turns it off)")
+    low, high = options.bounds("abstain_below")
+    if not low <= st["abstain_below"] <= high:
+        raise ValueError(f"--abstain-below {st['abstain_below']}: a cosine similarity, in {low}..{high} (0 turns it "
+                         "off)")
+    options.check("recompute_ratio", cfg.recompute_ratio)
     return modes
 
 
@@ -907,13 +912,13 @@ def add_arguments(p) -> None:
                    help="retrieval, jsonl with --retriever: passages retrieved and answered over (>= 1)")
     p.add_argument("--passage-tokens", type=int, default=512, help="niah, jsonl: tokens per passage of a long text")
     p.add_argument("--niah-config", default=None, help="niah: JSON with needle, question, answers")
-    p.add_argument("--recompute-ratio", type=float, default=None, help="block+recompute: fraction recomputed")
-    p.add_argument("--recompute-select", choices=["question", "deviation", "lead", "oracle"], default=None,
-                   help="block+recompute: which tokens are recomputed (ldqa.attention.block_attention."
-                        "SELECT_METHODS; oracle: nq-multidoc's gold passage, whole, for diagnostics)")
+    p.add_argument("--recompute-ratio", type=float, default=None, help=options.knob("recompute_ratio").help)
+    p.add_argument("--recompute-select", choices=[*options.knob("recompute_select").choices, "oracle"], default=None,
+                   help=options.knob("recompute_select").help + "; oracle: nq-multidoc's gold passage, whole, for "
+                        "diagnostics")
     p.add_argument("--block-anchors", action="store_true",
-                   help="block modes: encode each chunk of a long document after its document's first chunk "
-                        "(Star Attention's anchor; jsonl with --retriever)")
+                   help=options.knob("block_anchors").help + " (jsonl with --retriever: the chunks of each record's "
+                        "collection)")
     p.add_argument("--max-length", type=int, default=None,
                    help="jsonl: cut each context's middle (LongBench) so prompt + answer budget fit this many tokens")
     p.add_argument("--chunk-tokens", type=int, default=None,
