@@ -212,6 +212,11 @@ class AnswerOptions:
         Raises ValueError naming the option for a value that is not allowed."""
         return cls(**{f.name: getattr(args, f.name) for f in option_fields(command)})
 
+    def overrides(self) -> dict:
+        """The options that differ from their defaults, by name: ``AnswerOptions(**o.overrides()) == o``,
+        and ``qa.ask(q, **o.overrides())`` is ``qa.ask(q, o)``."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
     def retrieval_settings(self) -> dict:
         """The retrieval attention settings given (not None), as `RetrievalConfig` keywords."""
         return {f.name: getattr(self, f.name) for f in fields(self)

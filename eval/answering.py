@@ -208,7 +208,7 @@ def answer_one(qa, hf, cfg: EvalConfig, ex: dict, mode: Mode, max_new: int) -> d
         else:
             opts = mode_options(cfg, mode, ex, max_new)
             try:
-                ans = qa.answer(ex["question"], passages, opts)
+                ans = qa.answer(ex["question"], passages, **opts.overrides())
                 text, t, used = ans.text, ans.timings.to_dict(), ans.settings.attention_used or mode.attention
                 t["passages_dropped"] = ans.settings.passages_dropped or 0
             except (NonFiniteLogitsError, PromptTooLongError) as e:  # an error row, not a wrong answer
@@ -368,13 +368,13 @@ def answer_from_collection(qa, cfg: EvalConfig, ex: dict, mode: Mode, max_new: i
             item.warm_up()
             if mode.attention.startswith("block"):
                 item.block_runtime  # noqa: B018  (RoPE self-check before the clock, once per LongDocQA)
-            ans = item.ask(ex["question"], opts)
+            ans = item.ask(ex["question"], **opts.overrides())
             text, t, passages = ans.text, ans.timings.to_dict(), ans.passages
             used = ans.settings.attention_used or mode.attention
             abstained = bool(ans.settings.abstained)
             if not abstained:
                 item.prefill_memo.clear()  # warm: blocks stored, but no copy of this exact prefill
-                warm = item.ask(ex["question"], opts)
+                warm = item.ask(ex["question"], **opts.overrides())
             row |= {"abstained": abstained}
             if ans.settings.passages_dropped:
                 row["passages_dropped"] = ans.settings.passages_dropped

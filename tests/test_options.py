@@ -110,6 +110,8 @@ def test_allowed_values_and_the_ways_to_build_options():
     base = AnswerOptions(top_k=3, attention="block")
     assert AnswerOptions.of(base, debias="none") == dataclasses.replace(base, debias="none")
     assert AnswerOptions.of() == AnswerOptions() and AnswerOptions.of(None, top_k=2).top_k == 2
+    assert base.overrides() == {"top_k": 3, "attention": "block"} and AnswerOptions(**base.overrides()) == base
+    assert AnswerOptions().overrides() == {}
     with pytest.raises(ValueError, match="unknown retrieval setting or answer option topk"):
         AnswerOptions.of(None, topk=8)
     with pytest.raises(TypeError, match="top_k=5"):
