@@ -8,9 +8,9 @@ knob is one field here (and the code that uses it). Importing this module costs 
 --help` stays fast; the attention layer's names come from `ldqa.attention.choices`, which is torch-free
 too.
 
-    opts = AnswerOptions(attention="block", top_k=3)    # ValueError naming the option for a bad value
-    qa.ask("What torque?", opts)                        # the same as qa.ask("What torque?", attention="block", top_k=3)
-    opts.attention_config().resolved()                  # the attention layer's view: defaults filled, combinations checked
+    opts = AnswerOptions(attention="block", top_k=3)  # ValueError naming the option for a bad value
+    qa.ask("What torque?", opts)                      # = qa.ask("What torque?", attention="block", top_k=3)
+    opts.attention_config().resolved()                # the attention layer's view: defaults, combinations
 
 Values are checked one by one here; combinations (debiasing with retrieval attention, retrieval settings
 with another mode) and the defaults that depend on the attention mode (`debias=None`) are the attention
