@@ -58,6 +58,11 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 # the packed op: on the 2-core dev machine a (512 x 640) @ (640 x 2048) product takes 20 ms packed against
 # 3 ms to dequantize + 7 ms bf16 GEMM; at one row the packed op wins (0.07 ms against 3 ms)
 PREFILL_ROWS = 32
+# gguf inputs with at least this many rows take the same bf16 GEMM: past one row the C kernel runs its int16
+# loops (a Q4_K 8,960 x 1,536 weight at one thread: 0.44 ms for 1 row, 4.3 ms for 4, 8.7 ms for 8), while
+# dequantizing straight to bf16 and one GEMM costs ~4 ms; every GGUF block type crosses over at 6-8 rows, at
+# 1 and 2 threads (docs/results.md, "Prefill and the allocator"). q8_0's 4-row AVX-512 tile crosses at ~18.
+GGUF_PREFILL_ROWS = 8
 
 
 class WeightFormatError(ValueError):
@@ -225,7 +230,7 @@ class QLinear(nn.Module):
 
     # -- compute
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt in ("q8_0", "gguf") and x.numel() < PREFILL_ROWS * self.in_features:  # decode: the fewest ops
+        if self.fmt in ("q8_0", "gguf") and x.numel() < self.gemm_rows() * self.in_features:  # decode: the fewest ops
             x2 = x.reshape(-1, self.in_features)
             y = (cpu_linear.linear_q8_0(x2, self.qweight, self.bscales) if self.fmt == "q8_0"
                  else cpu_linear.linear_gguf(x2, self.blocks, self.ggml_type))  # (M, N) fp32
@@ -254,15 +259,20 @@ class QLinear(nn.Module):
 
     def prefill_weight(self, rows: int) -> torch.Tensor | None:
         """The bf16 weight (N, K) that `forward` multiplies `rows` rows of activations with in one GEMM
-        (int8 with at least PREFILL_ROWS rows, q8_0 and gguf with rows past decode's), dequantized now;
+        (int8 and q8_0 with at least PREFILL_ROWS rows, gguf with GGUF_PREFILL_ROWS), dequantized now;
         None where forward takes another path (fp32, bf16, int4, the packed int8 op, the C decode kernel).
         With `apply_prefill` it lets a caller split the rows into chunks and dequantize once
         (`MLP.forward`)."""
         if self.fmt == "int8" and rows >= PREFILL_ROWS:
             return self.qweight.to(torch.bfloat16) * self.scales[:, None]
-        if self.fmt in ("q8_0", "gguf") and rows >= PREFILL_ROWS:
+        if self.fmt in ("q8_0", "gguf") and rows >= self.gemm_rows():
             return self.dequantized(torch.bfloat16)
         return None
+
+    def gemm_rows(self) -> int:
+        """The fewest rows (tokens) `forward` multiplies through a dequantized bf16 weight: GGUF_PREFILL_ROWS
+        for gguf, PREFILL_ROWS for the other formats; fewer rows of q8_0 and gguf run the C kernel."""
+        return GGUF_PREFILL_ROWS if self.fmt == "gguf" else PREFILL_ROWS
 
     def apply_prefill(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x (..., in_features) float32/bf16, w the layer's `prefill_weight` -> (..., out_features) in x's

@@ -188,9 +188,14 @@ def _forced(lm, ids, toks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, types", [("smollm2-135m", {"Q4_1"}), ("gemma3-270m", {"Q5_0", "Q4_K", "Q6_K"})])
-def test_packaged_models_keep_their_blocks_and_match_fp32(name, types):
+def test_packaged_models_keep_their_blocks_and_match_fp32(name, types, monkeypatch):
     # smollm2 is a Llama: its q/k rows are un-permuted (the loader finds the permutation); gemma mixes five
-    # block types, Q8_0 ones (embedding, half the v projections) become q8_0 with the same values
+    # block types, Q8_0 ones (embedding, half the v projections) become q8_0 with the same values.
+    # The prompt's rows go through the C kernel here (a prompt this short would otherwise take the bf16
+    # GEMM, whose weight and activation rounding moves the logits ~1-2%; its own test is above)
+    from ldqa.attention import quant
+
+    monkeypatch.setattr(quant, "GGUF_PREFILL_ROWS", 1 << 30)
     lm = loader.load_model(name, weights="gguf")
     layers = lm.model.model.layers
     found = {C.GGUF_BLOCK_TYPES[mod.ggml_type][0] for layer in layers for mod in layer.modules()
@@ -212,3 +217,21 @@ def test_packaged_models_keep_their_blocks_and_match_fp32(name, types):
     top2 = torch.topk(want, 2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.5
     assert bool(clear.sum() >= 12) and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("ggml_type", [12, 14, 2])
+def test_gguf_rows_from_the_crossover_take_the_bf16_gemm(ggml_type):
+    # fewer than GGUF_PREFILL_ROWS rows run the C kernel (decode numerics); from it on, the weight is
+    # dequantized straight to bf16 and multiplied in one GEMM (prefill numerics)
+    from ldqa.attention.quant import GGUF_PREFILL_ROWS, QLinear
+
+    k, n = 512, 48
+    blocks = random_blocks(ggml_type, n, k, seed=7)
+    lin = QLinear.from_portable({"ggml_type": ggml_type, "blocks": blocks}, None, k, n)
+    assert lin.gemm_rows() == GGUF_PREFILL_ROWS
+    g = torch.Generator().manual_seed(1)
+    few = torch.randn(GGUF_PREFILL_ROWS - 1, k, generator=g)
+    many = torch.randn(GGUF_PREFILL_ROWS, k, generator=g)
+    assert torch.equal(lin(few), C.linear_gguf(few, blocks, ggml_type))
+    w = C.dequantize_gguf(blocks, ggml_type, k, torch.bfloat16)
+    assert torch.equal(lin(many), torch.nn.functional.linear(many.to(torch.bfloat16), w).float())
