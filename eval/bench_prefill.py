@@ -8,7 +8,7 @@ processes with the defaults (`attention.memory.retain_freed_memory`) and with LD
 interleaved `--repeats` times per thread count after one warm-up prefill each. Per run: seconds, minor page
 faults and system CPU seconds of the timed prefill (getrusage). The table gives medians and system/default.
 
-crossover: for the largest matrix of each GGUF block type in the model (and a random q8_0 weight of the
+crossover: for the largest decoder-layer matrix of each GGUF block type in the model (and a random q8_0 weight of the
 same shape as the first), the C kernel (`cpu_linear.linear_gguf` / `linear_q8_0`) on M rows against
 dequantizing to bf16 (`dequantize_gguf` / `dequantize_q8_0` with torch.bfloat16) plus one bf16 GEMM, ms,
 median of 7 after a warm-up, in this process (allocator defaults on, as in a loaded model). The smallest M
@@ -85,13 +85,14 @@ def crossover_part(model: str, rows: list[int], threads: list[int]) -> dict:
     import torch
 
     from ldqa.attention.loader import load_model
-    from ldqa.attention.quant import quantize_q8_0
+    from ldqa.attention.quant import QLinear, quantize_q8_0
     from ldqa.kernels import cpu_linear as C
 
     lm = load_model(model, weights="gguf")
     largest = {}
-    for mod in lm.model.modules():
-        if getattr(mod, "fmt", None) == "gguf" and mod.blocks.numel() > largest.get(mod.ggml_type, (0, None))[0]:
+    for mod in lm.model.model.layers.modules():  # the decoder layers' matrices (the LM head sees one row)
+        if (isinstance(mod, QLinear) and mod.fmt == "gguf"
+                and mod.blocks.numel() > largest.get(mod.ggml_type, (0, None))[0]):
             largest[mod.ggml_type] = (mod.blocks.numel(), mod)
     cases = {}
     for t, (_, mod) in sorted(largest.items()):
