@@ -19,6 +19,7 @@ import torch
 
 from ldqa.attention.cache_dir import cache_root  # noqa: F401  (re-exported: callers read loader.cache_root)
 from ldqa.attention.config import ModelConfig
+from ldqa.attention.decode_runner import choose_runner
 from ldqa.attention.model import Transformer
 from ldqa.attention.memory import retain_freed_memory
 from ldqa.attention.model_packages import PACKAGED_MODELS
@@ -26,7 +27,7 @@ from ldqa.attention.model_sources import DEFAULT_MODEL, ModelLoadError, _source,
 from ldqa.attention.model_sources import (  # noqa: F401  (re-exported: callers import them from the loader)
     check_model_name, gguf_architecture, gguf_expected_size, model_fingerprint, resolve_gguf)
 from ldqa.attention.quant import (DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QEmbedding, QLinear, WeightFormatError,
-                                  check_format, fuse_decode)
+                                  check_format)
 from ldqa.attention.tokenizer import Tokenizer
 from ldqa.attention.weight_cache import _convert, _ensure_weights, _read_cache
 from ldqa.kernels import cpu_linear
@@ -151,8 +152,7 @@ def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedMode
         model = _build_model(src.cfg, _read_cache(path), path)
     model.kv_dtype = KV_DTYPES[kv_dtype]
     model.weight_format = weights
-    if weights in ("q8_0", "gguf"):  # decode each layer in two C calls (quant.FusedDecode); prefill is unchanged
-        fuse_decode(model)
+    model.decoder = choose_runner(model)  # q8_0 and gguf weights decode in C; prefill runs the modules
     model.model_name = name  # error messages of the runtime (generate.NonFiniteLogitsError) name it
     tok = Tokenizer(_auto_tokenizer(src.meta_dir), src.cfg.eos_token_ids)
     fp = weights_fingerprint(src.fingerprint, weights, group_size)

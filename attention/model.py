@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ldqa.attention.config import ModelConfig, inv_freq
+from ldqa.attention.decode_runner import DecodeRunner, TorchLayers
 from ldqa.attention.kv_cache import KVCache
 from ldqa.kernels import dispatch
 
@@ -255,13 +256,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One transformer block. `fused`: None, or an object with `attn_in(x, cos, sin) -> q, k, v` and
-    `attn_out(x, attn) -> x` (`quant.FusedDecode`: the block's q8_0 decode in two C calls) used for one
-    new token of one sequence; attention itself (`Attention.attend`) is the same in both paths."""
+    """One transformer block through its torch modules (its C decode, where the model's runner has one, is
+    `decode_runner.FusedDecode`, which shares `Attention.attend`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.fused = None
         gemma = cfg.family == "gemma3"
         self.sandwich = gemma  # Gemma: extra norms after attention and after the MLP
         self.self_attn = Attention(cfg, layer)
@@ -273,10 +272,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
     def forward(self, x, cos, sin, positions, cache, masks, slots=None):
-        if (self.fused is not None and slots is None and x.shape[0] == 1 and x.shape[1] == 1
-                and x.dtype == torch.float32):  # one token of one sequence: the layer in two C calls
-            q, k, v = self.fused.attn_in(x, cos, sin)
-            return self.fused.attn_out(x, self.self_attn.attend(q, k, v, positions, cache, masks))
+        """x: (batch, n, hidden) -> (batch, n, hidden) (`Attention.forward`'s arguments)."""
         a = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, masks, slots)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
@@ -300,6 +296,8 @@ class Transformer(nn.Module):
     batch); cache: a KVCache to read the past from and append these tokens to (None: no past, nothing
     stored). logits: (batch, n, vocab) float32 when `all_logits`, else (batch, 1, vocab) for the last
     token only (prefill need not pay the vocabulary projection for every prompt token).
+    decoder: the `decode_runner.DecodeRunner` that runs the passes' layers (torch modules unless the loader
+    chose a C runner for q8_0/gguf weights).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -312,8 +310,7 @@ class Transformer(nn.Module):
         self._freqs = {}  # (theta, scaling) -> inv_freq float64
         self.kv_dtype = torch.float32  # dtype of new KV caches (the loader sets it: fp32 or bf16)
         self.weight_format = "fp32"  # set by the loader (quant.WEIGHT_FORMATS)
-        # cpu_linear.DecodeStack when every layer is fused (quant.fuse_decode): `_stack_step`
-        self.decode_stack = None
+        self.decoder: DecodeRunner = TorchLayers()  # the loader sets it (decode_runner.choose_runner)
 
     def freqs_for(self, layer: int, theta_scale: float = 1.0) -> torch.Tensor:
         """RoPE inverse frequencies (head_dim/2,) float64 of `layer`; `theta_scale` multiplies the RoPE
@@ -325,6 +322,17 @@ class Transformer(nn.Module):
         if key not in self._freqs:
             self._freqs[key] = inv_freq(self.cfg.head_dim, theta, scaling)
         return self._freqs[key]
+
+    def rope_tables(self, positions: torch.Tensor, theta_scale: float, dtype: torch.dtype, layers: range) -> list:
+        """RoPE cos, sin (n, head_dim) in `dtype` at `positions` (n,) for each layer of `layers`, in order:
+        one pair of tensors per distinct RoPE base, shared by the layers that have it."""
+        tables, out = {}, []
+        for i in layers:
+            f = self.freqs_for(i, theta_scale)
+            if id(f) not in tables:
+                tables[id(f)] = rope_cos_sin(positions, f, dtype)
+            out.append(tables[id(f)])
+        return out
 
     @torch.inference_mode()
     def layer_keys(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -358,9 +366,8 @@ class Transformer(nn.Module):
         such a pass at layer j: layers below j are skipped and must already hold these tokens' K/V (and
         positions) in `cache`'s next slots, as `n_layers=j` leaves them. A pass split this way is the same
         computation, bit for bit, as one pass. Raises ValueError for a `start` layer out of range."""
-        if (self.decode_stack is not None and slots is None and n_layers is None and start is None
-                and tokens.shape == (1, 1)):
-            logits = self._stack_step(tokens, positions, cache)
+        if slots is None and n_layers is None and start is None:  # a whole pass appending `tokens`
+            logits = self.decoder.step(self, tokens, positions, cache)  # one C call where the runner can
             if logits is not None:
                 return logits
         if start is None:
@@ -369,54 +376,16 @@ class Transformer(nn.Module):
             first, x = start
             if not 0 <= first <= len(self.model.layers):
                 raise ValueError(f"start layer {first} is outside 0..{len(self.model.layers)}")
-        rope = {}
         masks: dict = {}
         theta_scale = cache.theta_scale if cache is not None else 1.0
-        for i, layer in enumerate(self.model.layers[:n_layers]):
-            if i < first:
-                continue
-            f = self.freqs_for(i, theta_scale)
-            key = id(f)
-            if key not in rope:
-                rope[key] = rope_cos_sin(positions, f, x.dtype)
-            x = layer(x, *rope[key], positions, cache, masks, slots)
+        run = self.decoder.layers(self.model.layers, x, slots)  # per layer: its modules or its C decode
+        todo = range(len(self.model.layers))[first:n_layers]
+        for i, (cos, sin) in zip(todo, self.rope_tables(positions, theta_scale, x.dtype, todo)):
+            x = run[i](x, cos, sin, positions, cache, masks, slots)
         if n_layers is not None:
             return x
         if cache is not None and slots is None:
             cache.advance(tokens.shape[1])
         if not all_logits:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x)).float()
-
-    def _stack_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None):
-        """One decode token through every layer in one C call (`cpu_linear.DecodeStack`) -> logits
-        (1, 1, vocab), or None when this step needs the per-layer path: no cache or a cache that is not a plain
-        fp32 KVCache of one sequence, a policy on it (retrieval attention, debiasing), LDQA_KERNELS=torch, or
-        positions that are not ascending with the new one last (then a mask is needed, which the stack does
-        not take). Where it runs it computes what the per-layer path computes, bit for bit: every layer
-        attends to all cached keys (global layers) or the last `sliding_window` positions (sliding layers)."""
-        if (type(cache) is not KVCache or cache.policy is not None or positions.numel() != 1
-                or cache._k[0].dtype != torch.float32 or cache._k[0].shape[0] != 1 or cache._k[0].device.type != "cpu"
-                or not cache._k[0].is_contiguous() or dispatch._forced() == "torch"):
-            return None
-        p, n0 = int(positions[0]), cache.length
-        k_pos = cache._pos[:n0]
-        if n0 and (int(k_pos[-1]) >= p or not _ascending(k_pos)):
-            return None
-        lo_sliding = 0
-        if self.cfg.sliding_window and "sliding" in self.cfg.layer_types:
-            lo_sliding = int(torch.searchsorted(k_pos, p - self.cfg.sliding_window + 1))
-        x = self.embed(tokens).float().contiguous()  # (1, 1, hidden)
-        cache._grow(n0 + 1)
-        cache._pos[n0] = p
-        rope, per_layer = {}, []
-        for i in range(len(self.model.layers)):
-            f = self.freqs_for(i, cache.theta_scale)
-            if id(f) not in rope:
-                cos, sin = rope_cos_sin(positions, f, torch.float32)
-                rope[id(f)] = (cos.contiguous(), sin.contiguous())
-            per_layer.append(rope[id(f)])
-        lo = [lo_sliding if kind == "sliding" else 0 for kind in self.cfg.layer_types]
-        self.decode_stack.run(x, cache._k, cache._v, per_layer, lo, n0)
-        cache.advance(1)
         return self.lm_head(self.model.norm(x)).float()

@@ -41,9 +41,10 @@ from pathlib import Path
 
 import torch
 
+from ldqa.attention.decode_runner import TorchLayers
 from ldqa.attention.loader import load_model
 from ldqa.attention.model_sources import resolve_gguf
-from ldqa.attention.quant import QLinear, fuse_decode, model_nbytes, unfuse_decode
+from ldqa.attention.quant import QLinear, model_nbytes
 
 QUESTION = "\n\nQuestion: What torque should the fan hub bolts be tightened to?\nAnswer:"
 
@@ -123,7 +124,7 @@ class LdqaEngine:
     def run(self, ids: list[int], new_tokens: int) -> dict:
         if not self.modules:
             return self._run(ids, new_tokens)
-        unfuse_decode(self.lm.model)
+        runner, self.lm.model.decoder = self.lm.model.decoder, TorchLayers()
         before = os.environ.get("LDQA_KERNELS")
         os.environ["LDQA_KERNELS"] = "torch"
         try:
@@ -133,7 +134,7 @@ class LdqaEngine:
                 del os.environ["LDQA_KERNELS"]
             else:
                 os.environ["LDQA_KERNELS"] = before
-            fuse_decode(self.lm.model)
+            self.lm.model.decoder = runner
 
     @torch.inference_mode()
     def _run(self, ids: list[int], new_tokens: int) -> dict:

@@ -27,7 +27,7 @@ import torch
 from ldqa.attention.loader import load_model
 from ldqa.eval.bench_runtime import prompt_ids, write_report
 
-# the fused q8_0 decode calls (quant.FusedDecode) count as matmuls: their norms, RoPE and activation are a
+# the fused q8_0 decode calls (decode_runner.FusedDecode) count as matmuls: their norms, RoPE and activation are a
 # small part of them (a few thousand values per layer against the weight rows)
 # (the whole layer stack in one call, ldqa::decode_stack, counts here too: its decode attention inside it)
 MATMUL_OPS = ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::addmm", "aten::mm",

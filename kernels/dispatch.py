@@ -1,4 +1,4 @@
-"""The one place the runtime calls for attention math, with one exception (below).
+"""The one place the runtime calls for attention math, with the exceptions listed below.
 
 Every attention call in `ldqa.attention` goes through a function here. Each function picks an
 implementation: the Triton kernel for CUDA tensors; on the CPU the C decode attention
@@ -6,12 +6,20 @@ implementation: the Triton kernel for CUDA tensors; on the CPU the C decode atte
 `LDQA_KERNELS=triton|torch` overrides the choice (``triton`` on CPU tensors needs TRITON_INTERPRET=1).
 Kernel modules are imported lazily, so the CPU path never imports Triton.
 
-The exception: a q8_0/gguf model's plain decode step on the CPU (one token, one sequence, no mask,
-`Transformer.forward` -> `_stack_step`) runs all its layers in one C call (`cpu_linear.DecodeStack`,
-`ldqa_decode_stack` in kernels/q8_0.c), which calls the same C decode attention inside the call; going
-back to Python per layer to reach this module cost ~0.1 ms a layer (docs/kernels.md). It computes the same
-numbers, bit for bit, as the per-layer path through `decode_attention` here (tests/test_fused_decode.py);
-`LDQA_KERNELS=torch` turns it off too.
+The calls that bypass it, and why:
+
+- `decode_runner.CStep.step`, the model's runner for q8_0/gguf weights (chosen at load): a plain decode
+  step on the CPU (one token, one sequence, a plain fp32 cache without a policy, ascending positions, so
+  no mask) runs all its layers in one C call (`cpu_linear.DecodeStack`, `ldqa_decode_stack` in
+  kernels/q8_0.c), which calls the same C decode attention inside the call; going back to Python per
+  layer to reach this module cost ~0.1 ms a layer (docs/kernels.md). It computes the same numbers, bit for
+  bit, as the per-layer path through `decode_attention` here (tests/test_fused_decode.py);
+  `LDQA_KERNELS=torch` turns it off too.
+- `debias.DebiasKV.forward` and `block_attention.ScaledKV.forward`, cache policies of the global layers:
+  attention with an additive per-key score bias (debiasing) or a per-key score transform (APE's block
+  scaling), which no kernel here takes; einsum in fp32, for the question's tokens and each decode token.
+- `debias.passage_mass` and `block_attention.token_mass`: they need the attention probabilities
+  themselves (summed per passage or per slot), which the kernels here do not return.
 
 Functions (shapes: b = batch, hq = query heads, hkv = KV heads, d = head_dim; hq % hkv == 0 and query
 head h reads KV head h // (hq // hkv)):

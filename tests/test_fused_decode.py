@@ -1,5 +1,5 @@
-"""The q8_0 fused decode (quant.FusedDecode: a decoder layer's decode in two C calls) against the module
-path on the same weights, per family; its weights held once; the fallbacks where the kernel is missing."""
+"""The q8_0 fused decode (decode_runner.FusedDecode: a decoder layer's decode in two C calls) against the
+module path on the same weights, per family; its weights held once; the fallbacks where the kernel is missing."""
 
 import platform
 from pathlib import Path
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ldqa.attention import loader, quant
+from ldqa.attention import loader
+from ldqa.attention.decode_runner import CLayers, TorchLayers, choose_runner
 from ldqa.attention.quant import model_nbytes
 from ldqa.kernels import cpu_linear
 
@@ -45,12 +46,14 @@ def _decode(model, prompt: torch.Tensor, steps: int):
 def test_fused_decode_matches_the_modules(tiny_model_dir, family):
     lm = loader.load_model(str(tiny_model_dir(family)), weights="q8_0")
     model = lm.model
-    assert all(layer.fused is not None for layer in model.model.layers), "the loader fuses q8_0 layers"
+    assert model.decoder.kind == "c-step", "the loader decodes q8_0 layers in C"
+    assert all(f is not None for f in model.decoder.fused)
     prompt = torch.randint(3, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     toks_f, logits_f = _decode(model, prompt, 24)
-    quant.unfuse_decode(model)
+    model.decoder = TorchLayers()
     toks_m, logits_m = _decode(model, prompt, 24)
-    assert quant.fuse_decode(model) == model.cfg.num_layers
+    model.decoder = choose_runner(model)
+    assert model.decoder.kind == "c-step"
     rel = float((logits_f - logits_m).abs().max() / logits_m.abs().max())
     # the same formulas in fp32, summed in another order (and the sliding window crossed: gemma3's is 16)
     assert rel < 1e-4, rel
@@ -61,7 +64,7 @@ def test_fused_weights_are_held_once_and_prefill_uses_them(tiny_model_dir):
     d = str(tiny_model_dir("qwen2"))  # qwen2: q/k/v biases
     lm = loader.load_model(d, weights="q8_0")
     layer = lm.model.model.layers[0]
-    fused, attn = layer.fused, layer.self_attn
+    fused, attn = lm.model.decoder.fused[0], layer.self_attn
     # the kernel reads the modules' own buffers: one copy of the weights
     qkv = fused.kernel._qkv
     assert [m.w for m in qkv] == [p.qweight.data_ptr() for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
@@ -71,7 +74,7 @@ def test_fused_weights_are_held_once_and_prefill_uses_them(tiny_model_dir):
     assert torch.equal(fused.bias[n_q:n_q + n_k], attn.k_proj.bias)
     loader._LOADED.clear()
     monkey_free = loader.load_model(d, weights="q8_0")
-    quant.unfuse_decode(monkey_free.model)
+    monkey_free.model.decoder = TorchLayers()
     assert model_nbytes(lm.model) == model_nbytes(monkey_free.model)
 
 
@@ -79,8 +82,8 @@ def test_without_the_kernel_nothing_is_fused(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("LDQA_CPU_KERNELS", "torch")
     cpu_linear.reset()
     lm = loader.load_model(str(tiny_model_dir("gemma3")), weights="q8_0")
-    assert all(layer.fused is None for layer in lm.model.model.layers)
-    assert quant.fuse_decode(lm.model) == 0
+    assert type(lm.model.decoder) is TorchLayers
+    assert type(choose_runner(lm.model)) is TorchLayers
     toks, logits = _decode(lm.model, torch.tensor([[5, 6, 7, 8]]), 3)  # the module path still decodes
     assert len(toks) == 3 and torch.isfinite(logits).all()
     with pytest.raises(RuntimeError, match="not available.*LDQA_CPU_KERNELS=torch"):
@@ -91,8 +94,8 @@ def test_without_the_kernel_nothing_is_fused(tiny_model_dir, monkeypatch):
 
 def test_other_formats_are_not_fused(tiny_model_dir):
     lm = loader.load_model(str(tiny_model_dir("llama")), weights="int8")
-    assert all(layer.fused is None for layer in lm.model.model.layers)
-    assert quant.fuse_decode(lm.model) == 0
+    assert type(lm.model.decoder) is TorchLayers
+    assert type(choose_runner(lm.model)) is TorchLayers
 
 
 def test_every_attention_mode_answers_the_same_fused_and_not(tmp_path, tiny_model_dir, monkeypatch):
@@ -109,40 +112,41 @@ def test_every_attention_mode_answers_the_same_fused_and_not(tmp_path, tiny_mode
     q = "What torque for the fan hub bolts?"
     fused = [qa.ask(q, top_k=3, attention=a, debias=b).text for a, b in modes]
     model = qa.llm.model
-    assert all(layer.fused is not None for layer in model.model.layers)
-    quant.unfuse_decode(model)
+    assert model.decoder.kind == "c-step"
+    runner, model.decoder = model.decoder, TorchLayers()
     monkeypatch.setenv("LDQA_KERNELS", "torch")
     try:
         plain = [qa.ask(q, top_k=3, attention=a, debias=b).text for a, b in modes]
     finally:
-        quant.fuse_decode(model)
+        model.decoder = runner
     assert fused == plain
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_stack_computes_what_the_layer_by_layer_calls_compute(tiny_model_dir, family):
-    # model.decode_stack (cpu_linear.DecodeStack): every layer of a decode step in one C call; the same C
-    # functions in the same order as FusedDecode + Attention.attend, so the logits are equal bit for bit
-    # (gemma3's tiny sliding window, 16, is crossed: its sliding layers attend to a moving slice)
+    # decode_runner.CStep (cpu_linear.DecodeStack): every layer of a decode step in one C call; the same C
+    # functions in the same order as CLayers' FusedDecode + Attention.attend, so the logits are equal bit for
+    # bit (gemma3's tiny sliding window, 16, is crossed: its sliding layers attend to a moving slice)
     lm = loader.load_model(str(tiny_model_dir(family)), weights="q8_0")
     model = lm.model
-    assert model.decode_stack is not None
+    step = model.decoder
+    assert step.kind == "c-step"
     prompt = torch.randint(3, model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
     old = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             calls = []
-            real = model._stack_step
-            model._stack_step = lambda *a: calls.append(1) or real(*a)
+            real = step.stack.run
+            step.stack.run = lambda *a: calls.append(1) or real(*a)
             toks_s, logits_s = _decode(model, prompt, 24)
-            del model._stack_step
+            del step.stack.run
             assert len(calls) == 24  # every decode step took the stack
-            stack, model.decode_stack = model.decode_stack, None
+            model.decoder = CLayers(model.model.layers, step.fused)
             try:
                 toks_l, logits_l = _decode(model, prompt, 24)
             finally:
-                model.decode_stack = stack
+                model.decoder = step
             assert toks_s == toks_l
             assert torch.equal(logits_s, logits_l)
     finally:
@@ -171,12 +175,12 @@ def test_decode_stack_steps_aside_where_a_step_needs_more(tiny_model_dir):
     # a cache of another dtype, with a policy, or positions that would need a mask: the per-layer path
     model.kv_dtype = torch.bfloat16
     try:
-        assert model._stack_step(tok, torch.tensor([20]), prefilled()) is None
+        assert model.decoder.step(model, tok, torch.tensor([20]), prefilled()) is None
     finally:
         model.kv_dtype = torch.float32
-    assert model._stack_step(tok, torch.tensor([20]), prefilled(policy=Normal())) is None
-    assert model._stack_step(tok, torch.tensor([19]), prefilled()) is None  # not after the last position
-    assert model._stack_step(tok, torch.tensor([20]), prefilled()) is not None
+    assert model.decoder.step(model, tok, torch.tensor([20]), prefilled(policy=Normal())) is None
+    assert model.decoder.step(model, tok, torch.tensor([19]), prefilled()) is None  # not after the last position
+    assert model.decoder.step(model, tok, torch.tensor([20]), prefilled()) is not None
     # ... and those steps still decode (through the layers), as before
     cache = prefilled()
     out = model(tok, torch.tensor([19]), cache)
