@@ -11,7 +11,7 @@ faults and system CPU seconds of the timed prefill (getrusage). The table gives 
 crossover: for the largest decoder-layer matrix of each GGUF block type in the model (and a random q8_0 weight of the
 same shape as the first), the C kernel (`cpu_linear.linear_gguf` / `linear_q8_0`) on M rows against
 dequantizing to bf16 (`dequantize_gguf` / `dequantize_q8_0` with torch.bfloat16) plus one bf16 GEMM, ms,
-median of 7 after a warm-up, in this process (allocator defaults on, as in a loaded model). The smallest M
+median of 7 after two warm-ups, in this process (allocator defaults on, as in a loaded model). The smallest M
 at which the GEMM is faster is where `QLinear.gemm_rows` should be (`quant.GGUF_PREFILL_ROWS`).
 Results as Markdown on stdout and in OUT/bench-prefill.md, all numbers in OUT/bench-prefill.json.
 """
@@ -70,22 +70,13 @@ def allocator_part(model: str, length: int, threads: list[int], repeats: int) ->
             for (t, s), rows in runs.items()}
 
 
-def _median_ms(f, n: int = 7) -> float:
-    f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
-
-
 def crossover_part(model: str, rows: list[int], threads: list[int]) -> dict:
     """{type name: {threads: {M: (kernel ms, gemm ms)}}} for the largest matrix of each gguf type."""
     import torch
 
     from ldqa.attention.loader import load_model
     from ldqa.attention.quant import QLinear, quantize_q8_0
+    from ldqa.eval.profile_decode import median_ms
     from ldqa.kernels import cpu_linear as C
 
     lm = load_model(model, weights="gguf")
@@ -112,8 +103,8 @@ def crossover_part(model: str, rows: list[int], threads: list[int]) -> dict:
             out[name][t] = {}
             for m in rows:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                out[name][t][m] = (_median_ms(lambda: kernel(x)),
-                                   _median_ms(lambda: torch.nn.functional.linear(x.to(torch.bfloat16), weight()).float()))
+                out[name][t][m] = (median_ms(lambda: kernel(x), 7),
+                                   median_ms(lambda: torch.nn.functional.linear(x.to(torch.bfloat16), weight()).float(), 7))
     return out
 
 

@@ -36,7 +36,7 @@ MATMUL_OPS = ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", 
 ATTENTION_OPS = ("aten::bmm", "ldqa::decode_attention")  # torch's products, or ldqa's C decode attention
 
 
-def _ms(f, n: int) -> float:
+def median_ms(f, n: int) -> float:
     """Median wall time of f() over n calls (ms), after two warm-up calls."""
     f(), f()
     times = []
@@ -62,7 +62,7 @@ def profile_format(name: str, fmt: str, length: int, steps: int) -> dict:
             state["logits"] = m(tok, torch.tensor([state["pos"]]), cache)
             state["pos"] += 1
 
-        step_ms = _ms(step, steps)
+        step_ms = median_ms(step, steps)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -70,7 +70,7 @@ def profile_format(name: str, fmt: str, length: int, steps: int) -> dict:
                 step()
         self_ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
         h = torch.randn(1, 1, m.lm_head.in_features)
-        head_ms = _ms(lambda: m.lm_head(h), steps)
+        head_ms = median_ms(lambda: m.lm_head(h), steps)
     matmul = sum(v for k, v in self_ms.items() if k in MATMUL_OPS)
     attn = sum(self_ms.get(k, 0.0) for k in ATTENTION_OPS)
     profiled = sum(self_ms.values())
@@ -86,14 +86,14 @@ def compile_probe(n: int = 262144, k: int = 640) -> dict:
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     s = torch.rand(n) + 0.5
     x = torch.randn(1, k)
-    aten = _ms(lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w, s.bfloat16()), 10)
+    aten = median_ms(lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w, s.bfloat16()), 10)
     out = {"shape": [n, k], "aten_int8pack_ms": aten}
     try:
         fn = torch.compile(lambda x, w, s: torch.nn.functional.linear(x, w.to(x.dtype)) * s, dynamic=False)
         t = time.perf_counter()
         fn(x, w, s)
         out["compile_s"] = time.perf_counter() - t
-        out["compiled_ms"] = _ms(lambda: fn(x, w, s), 10)
+        out["compiled_ms"] = median_ms(lambda: fn(x, w, s), 10)
     except Exception as e:  # no C++ compiler, or Inductor cannot build for this CPU
         out["compile_error"] = f"{type(e).__name__}: {e}"[:300]
     return out
