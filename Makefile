@@ -25,10 +25,10 @@ test: install
 	$(PY) -m pytest
 
 test-fast: install
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not bench"
 
 bench-nq: install
-	$(PY) -m ldqa.eval.bench_nq --out out/bench-nq
+	$(PY) -m ldqa.eval.bench.bench_nq --out out/bench-nq
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -107,7 +107,7 @@ class AnswerOptions:
     retriever: str = _opt("hybrid", "how passages are found: hybrid (dense and BM25 fused by RRF, default), dense "
                                     "(MiniLM cosine) or bm25", choices=RETRIEVERS, group="search", label="Retriever")
     # No retrieved passage this close to the question (dense cosine, MiniLM): `ask` answers ABSTAIN_PHRASE
-    # without running the LLM. Chosen by `python -m ldqa.eval.bench_abstain --part retrieval`
+    # without running the LLM. Chosen by `python -m ldqa.eval.bench.bench_abstain --part retrieval`
     # (docs/documents-and-limits.md): midway between the off-topic questions on the bundled sample (at most
     # 0.218) and the lowest answerable ones (0.323; no answerable NQ-open question of 200 is below 0.3);
     # higher thresholds catch more NQ questions whose answer was removed (0.4: 41%) but refuse answerable
@@ -117,7 +117,7 @@ class AnswerOptions:
               "this dense cosine similarity (default {default}, measured; 0 turns it off)",
         float, low=-1, high=1, optional=True, none="off", group="search")
     # --- building the context. The default attention mode was chosen by the defaults study (`python -m
-    # ldqa.eval.bench_defaults`; docs/defaults.md), accuracy first, then time to answer; `ldqa ingest`
+    # ldqa.eval.bench.bench_defaults`; docs/defaults.md), accuracy first, then time to answer; `ldqa ingest`
     # precomputes KV blocks by default when it is a block mode.
     attention: str = _opt(
         "full", "(default {default}, measured: docs/defaults.md) full: exact attention over the prompt; block: "

@@ -32,7 +32,7 @@ INSTRUCTION = (
 ABSTAIN_PHRASE = "Not found in the documents."
 # The instruction with the passages framed as quoted data (their text is data, not instructions) and an
 # abstention path (docs/documents-and-limits.md); measured against INSTRUCTION by
-# `python -m ldqa.eval.bench_abstain`
+# `python -m ldqa.eval.bench.bench_abstain`
 FRAMED_INSTRUCTION = (
     "Write a high-quality answer for the given question using only the provided search results "
     "(some of which might be irrelevant). Cite the passages you use as [n]. The search results are quoted "

@@ -520,7 +520,7 @@ def _retrieval(cfg: EvalConfig, qa) -> list[dict]:
     folder = qa.store.path.parent / "passages"
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, r in enumerate(records):  # one Markdown document per gold passage (as eval/bench_nq.py)
+    for i, r in enumerate(records):  # one Markdown document per gold passage (as eval/bench/bench_nq.py)
         p = folder / f"{i:05d}.md"
         body = f"# {r['title']}\n\n{r['text']}\n"
         if not p.exists() or p.read_text(encoding="utf-8") != body:

@@ -1,11 +1,15 @@
-"""The refactor guard's comparison (`ldqa.eval.api_snapshot.differences`); recording needs the real model
-and runs as `python -m ldqa.eval.api_snapshot check docs/data/api-snapshot-gemma3-270m.json`."""
+"""The refactor guard's comparison (`ldqa.eval.bench.api_snapshot.differences`); recording needs the real model
+and runs as `python -m ldqa.eval.bench.api_snapshot check docs/data/api-snapshot-gemma3-270m.json`."""
 
 import copy
 import json
 from pathlib import Path
 
-from ldqa.eval.api_snapshot import MODES, differences
+import pytest
+
+from ldqa.eval.bench.api_snapshot import MODES, differences
+
+pytestmark = pytest.mark.bench
 
 SNAPSHOT = Path(__file__).resolve().parents[1] / "docs" / "data" / "api-snapshot-gemma3-270m.json"
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ldqa.app.api import LongDocQA, Passage
-from ldqa.eval.api_snapshot import MODES
+from ldqa.eval.bench.api_snapshot import MODES
 
 SNAPSHOT = Path(__file__).resolve().parent / "data" / "api-snapshot-tiny.json"
 SAMPLE = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ldqa.eval import bench_debias as B
+from ldqa.eval.bench import bench_debias as B
+
+pytestmark = pytest.mark.bench
 
 RECORDS = [{"question": f"q{i}?", "answers": [f"ans{i}"], "title": f"T{i}", "text": f"passage {i} says ans{i}."}
            for i in range(30)]

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ldqa.eval import bench_defaults as D
+from ldqa.eval.bench import bench_defaults as D
+
+pytestmark = pytest.mark.bench
 
 
 def test_config_of_harness_labels():

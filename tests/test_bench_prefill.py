@@ -1,6 +1,10 @@
-"""eval/bench_prefill.py's report: the crossover row and the allocator ratio read from synthetic numbers."""
+"""eval/bench/bench_prefill.py's report: the crossover row and the allocator ratio read from synthetic numbers."""
 
-from ldqa.eval.bench_prefill import markdown
+import pytest
+
+from ldqa.eval.bench.bench_prefill import markdown
+
+pytestmark = pytest.mark.bench
 
 
 def test_report_names_the_first_row_count_where_the_gemm_wins():

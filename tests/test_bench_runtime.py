@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from ldqa.eval import bench_runtime
+from ldqa.eval.bench import bench_runtime
+
+pytestmark = pytest.mark.bench
 
 
 def test_bench_runtime_rows_and_ratios(tiny_model_dir, tmp_path, monkeypatch):
@@ -34,7 +36,7 @@ def test_prompt_ids_have_the_asked_length(small_tokenizer):
 
 
 def test_compare_weights_pairs_examples_of_one_mode(tmp_path):
-    from ldqa.eval.compare_weights import compare
+    from ldqa.eval.bench.compare_weights import compare
 
     head = "mode,example_id,prediction,score,ttft_ms,tokens_per_s\n"
     (tmp_path / "a").mkdir()
@@ -66,7 +68,7 @@ def test_compare_weights_pairs_examples_of_one_mode(tmp_path):
 
 
 def test_compare_weights_reports_f1_words_and_answers_at_the_cap(tmp_path):
-    from ldqa.eval.compare_weights import compare, main
+    from ldqa.eval.bench.compare_weights import compare, main
 
     head = "mode,example_id,answers,prediction,score,ttft_ms,tokens_per_s,stop_reason\n"
     (tmp_path / "a.csv").write_text(head + "full,q1,18 Nm,The bolts take 18 Nm of torque says passage,1,10,5,max_new_tokens\n"
@@ -95,7 +97,7 @@ def test_kv_read_bytes_counts_a_sliding_layer_s_window_only():
 
 
 def test_bench_decode_matrices_times_every_matrix_kind(tiny_model_dir, tmp_path):
-    from ldqa.eval import bench_decode_matrices as bench
+    from ldqa.eval.bench import bench_decode_matrices as bench
 
     assert bench.main(["--model", str(tiny_model_dir("qwen2")), "--weights", "q8_0", "--passes", "1",
                        "--decode-steps", "2", "--prompt-tokens", "16", "--out", str(tmp_path)]) == 0

@@ -1,5 +1,5 @@
 """APE-style block scaling (`block_attention.ScaledKV`) and the benchmarks of block+recompute's token
-selection (`eval/bench_recompute.py`) and of the scaling's fit (`eval/bench_block_scaling.py`)."""
+selection (`eval/bench/bench_recompute.py`) and of the scaling's fit (`eval/bench/bench_block_scaling.py`)."""
 
 from __future__ import annotations
 
@@ -79,8 +79,9 @@ def test_block_scaling_refuses_non_positive_values():
             BlockScaling(*bad)
 
 
+@pytest.mark.bench
 def test_bench_recompute_variants_and_paired_summary():
-    from ldqa.eval.bench_recompute import markdown, parse_variant, summarize
+    from ldqa.eval.bench.bench_recompute import markdown, parse_variant, summarize
 
     assert parse_variant("full") == {"attention": "full"}
     assert parse_variant("question@0.2") == {"attention": "block+recompute", "recompute_select": "question",
@@ -102,11 +103,12 @@ def test_bench_recompute_variants_and_paired_summary():
     assert "| block | 0.250 | 0.250 | -50.0 (28.9) | 0/4 |" in markdown(s, [1])
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(not (SHARED_DATA / "nq-open-oracle.jsonl.gz").exists(), reason="needs ../shared/data")
 def test_bench_block_scaling_runs_the_grid_with_plain_block_as_reference(tmp_path, tiny_model_dir, capsys):
     import json
 
-    from ldqa.eval.bench_block_scaling import main
+    from ldqa.eval.bench.bench_block_scaling import main
 
     out = tmp_path / "o"
     assert main(["--model", str(tiny_model_dir("qwen2")), "--n", "2", "--temperatures", "0.9",

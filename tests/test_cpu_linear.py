@@ -233,11 +233,12 @@ def test_decode_attention_env_forces_the_reference(monkeypatch):
     assert torch.equal(dispatch.attention(q, k, v), reference.attention(q, k, v))
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
 def test_bench_decode_attention_times_every_packaged_shape(tmp_path):
     import json
 
-    from ldqa.eval import bench_decode_attention as bench
+    from ldqa.eval.bench import bench_decode_attention as bench
 
     assert bench.main(["--lengths", "40", "--threads", "1", "--repeats", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench-decode-attention.json").read_text())

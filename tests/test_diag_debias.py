@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from ldqa.eval.diag_debias import gold_first
+import pytest
+
+from ldqa.eval.bench.diag_debias import gold_first
+
+pytestmark = pytest.mark.bench
 
 
 def test_gold_first_under_each_calibration():
@@ -33,7 +37,7 @@ def test_buckets_prefill_compares_shared_and_whole_prefills(tmp_path, tiny_model
     import json
 
     from ldqa.app.api import LongDocQA
-    from ldqa.eval.diag_debias import _buckets_prefill
+    from ldqa.eval.bench.diag_debias import _buckets_prefill
 
     monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "cache"))
     qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), max_new_tokens=2)

@@ -648,8 +648,9 @@ def test_gpu_kernels_match_reference():  # pragma: no cover - runs only where CU
 # benchmark script
 
 
+@pytest.mark.bench
 def test_bench_smoke_mode_writes_json(tmp_path):
-    from ldqa.eval import bench_kernels
+    from ldqa.eval.bench import bench_kernels
 
     out = tmp_path / "smoke.json"
     assert bench_kernels.main(["--smoke", "--out", str(out), "--max-seq", "32"]) == 0
@@ -663,10 +664,11 @@ def test_bench_smoke_mode_writes_json(tmp_path):
                                    "decode_fraction_of_peak_bw>=0.6"}
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine this would run the full benchmark")
 def test_bench_refuses_without_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "ldqa.eval.bench_kernels", "--out", str(tmp_path / "x.json")],
+    proc = subprocess.run([sys.executable, "-m", "ldqa.eval.bench.bench_kernels", "--out", str(tmp_path / "x.json")],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert "--smoke" in proc.stderr and not (tmp_path / "x.json").exists()
@@ -677,7 +679,7 @@ def test_bench_compile_check_for_sm90_without_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "compile.json"
-    cmd = [sys.executable, "-m", "ldqa.eval.bench_kernels", "--compile-check", "--only", "lse_merge_bf16_d64",
+    cmd = [sys.executable, "-m", "ldqa.eval.bench.bench_kernels", "--compile-check", "--only", "lse_merge_bf16_d64",
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

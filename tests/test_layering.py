@@ -1,6 +1,7 @@
-"""Dependencies point one way: retrieval <- indexes <- attention <- app <- eval, with the CLI
-and UI as shells over app and eval, and no two ldqa modules depend on each other (no import cycle, of any
-length, within a package or across packages). Checked by reading every module's imports with `ast`
+"""Dependencies point one way: retrieval <- indexes <- attention <- app <- eval <- eval.bench, with the
+CLI and UI as shells over app and eval, the benchmark scripts of eval/bench imported by nothing outside it
+but the tests, and no two ldqa modules depend on each other (no import cycle, of any length, within a
+package or across packages). Checked by reading every module's imports with `ast`
 (function-level imports included), so a lazy import cannot slip an upward dependency or a cycle in."""
 
 from __future__ import annotations
@@ -184,6 +185,42 @@ def test_no_upward_imports(package):
         bad += [f"{rel}:{line} imports ldqa.{target}" for line, target in ldqa_imports(path)
                 if target in FORBIDDEN[package]]
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+BENCH = "ldqa.eval.bench"  # the benchmark and diagnostic scripts: only themselves and the tests import them
+
+
+def bench_imports(files: dict[str, Path]) -> list[str]:
+    """`module (file:line) imports target` for every import of BENCH or a module under it by a module
+    outside it, from `import_graph` (so function-level and relative imports count)."""
+    def inside(module: str) -> bool:
+        return module == BENCH or module.startswith(BENCH + ".")
+
+    graph = import_graph(files)
+    return [f"{name} ({files[name].name}:{line}) imports {target}" for name, edges in sorted(graph.items())
+            if not inside(name) for target, line in edges.items() if inside(target)]
+
+
+def test_the_product_never_imports_the_benchmarks():
+    assert any(m.startswith(BENCH + ".") for m in module_files()), "no benchmark scripts found"
+    bad = bench_imports(module_files())
+    assert not bad, "product modules that import the benchmark scripts:\n" + "\n".join(bad)
+
+
+def test_the_bench_rule_sees_lazy_and_relative_imports(tmp_path):
+    """The rule must be able to fail: a function-level import and a relative one from outside eval/bench are
+    found; the scripts importing each other and the product are not."""
+    (tmp_path / "eval" / "bench").mkdir(parents=True)
+    (tmp_path / "eval" / "__init__.py").write_text("")
+    (tmp_path / "eval" / "metrics.py").write_text("")
+    (tmp_path / "eval" / "harness.py").write_text("def f():\n    from ldqa.eval.bench import run_x\n")
+    (tmp_path / "eval" / "report.py").write_text("from .bench.run_x import main\n")
+    (tmp_path / "eval" / "bench" / "__init__.py").write_text("")
+    (tmp_path / "eval" / "bench" / "run_x.py").write_text("from ldqa.eval import metrics\nfrom . import run_y\n")
+    (tmp_path / "eval" / "bench" / "run_y.py").write_text("from ..harness import f\n")
+    files = module_files(tmp_path, {"ldqa.eval": "eval"})
+    assert bench_imports(files) == ["ldqa.eval.harness (harness.py:2) imports ldqa.eval.bench.run_x",
+                                    "ldqa.eval.report (report.py:1) imports ldqa.eval.bench.run_x"]
 
 
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path):

@@ -262,7 +262,7 @@ def test_recall_on_real_gemma_queries_and_keys(shared_data):
     decode queries of every global layer, touching under 30% of the keys at this length (its query links
     are a fixed ~1.3K vectors, about 4% at 32K); the key-only index at the same IVF budget falls far short
     (RetrievalAttention's out-of-distribution finding)."""
-    from ldqa.eval.bench_retrieval import _Recorder, decode, essays, prefill
+    from ldqa.eval.bench.bench_retrieval import _Recorder, decode, essays, prefill
     from ldqa.indexes.key_index import KeyIndex, KeyIndexConfig, exact_top_k, recall_at_k
 
     llm = load_model("gemma3-270m")
@@ -296,7 +296,7 @@ def test_follow_finds_the_copied_keys_on_real_key_value_retrieval(shared_data):
     decode queries attend to the value's tokens, which the question's queries never looked at, so the
     aware index alone misses the exact top-1 key in some steps; carrying the previous step's best slots
     and their successors (follow = 8) finds it in (almost) every step."""
-    from ldqa.eval.bench_retrieval import _Recorder, decode, kv_examples, prefill
+    from ldqa.eval.bench.bench_retrieval import _Recorder, decode, kv_examples, prefill
 
     llm = load_model("gemma3-270m")
     tok, model, scale = llm.tokenizer, llm.model, llm.model.cfg.attn_scale
@@ -329,10 +329,11 @@ def test_follow_finds_the_copied_keys_on_real_key_value_retrieval(shared_data):
     assert misses[8] < misses[0] and misses[8] <= 1
 
 
+@pytest.mark.bench
 def test_kv_bench_resumes_and_shares_work_from_both_ends(tmp_path, tiny_model_dir, shared_data):
     """bench_retrieval --part kv: a run resumes from its JSONL rows, and a --reverse run on the same --out
     picks up only what is missing (two processes can share one run that way); one row per example and mode."""
-    from ldqa.eval import bench_retrieval
+    from ldqa.eval.bench import bench_retrieval
 
     model = tiny_model_dir("gemma3")
     base = ["--part", "kv", "--model", str(model), "--data", str(shared_data), "--kv-files",

@@ -1,8 +1,8 @@
 """Where a decode step's matrix time goes: each kind of matrix of every layer, multiplied with one activation
 row by ldqa's C kernel, as a decode step reads it.
 
-    python -m ldqa.eval.bench_decode_matrices [--model qwen2.5-coder-1.5b-instruct] [--weights gguf]
-                                              [--threads 1] [--passes 5] [--out out/bench-decode-matrices]
+    python -m ldqa.eval.bench.bench_decode_matrices [--model qwen2.5-coder-1.5b-instruct] [--weights gguf]
+                                                    [--threads 1] [--passes 5] [--out out/bench-decode-matrices]
 
 For each projection (q, k, v, o, gate, up, down) the product of one random row of activations with that
 matrix in all layers, one layer after another (so each matrix is read from memory, as in a decode step),
@@ -66,7 +66,7 @@ def measure(model, passes: int) -> list[dict]:
 def decode_step_ms(lm, prompt_tokens: int, steps: int, runs: int = 3) -> float:
     """Fastest mean time of one greedy decode step (ms) over `runs` runs of `steps` steps after prefilling
     `prompt_tokens` ids of `bench_runtime.prompt_ids`."""
-    from ldqa.eval.bench_runtime import prompt_ids
+    from ldqa.eval.bench.bench_runtime import prompt_ids
 
     ids, m = prompt_ids(lm.tokenizer, prompt_tokens), lm.model
     best = float("inf")

@@ -18,9 +18,9 @@ buckets-prefill: Attention Buckets' prefill (debias="buckets", full attention, f
   questions (the gold passage at the first of --positions), alternating which goes first; the answers'
   first tokens must be equal. Prints the median TTFT of each and their ratio.
 
-    python -m ldqa.eval.diag_debias rope-scales --scales 0.25,0.5,1,2 --out out/diag-debias
-    python -m ldqa.eval.diag_debias ranking --attention block --n 60 --orders 2 --out out/diag-debias
-    python -m ldqa.eval.diag_debias buckets-prefill --passages 20 --n 8 --out out/diag-debias
+    python -m ldqa.eval.bench.diag_debias rope-scales --scales 0.25,0.5,1,2 --out out/diag-debias
+    python -m ldqa.eval.bench.diag_debias ranking --attention block --n 60 --orders 2 --out out/diag-debias
+    python -m ldqa.eval.bench.diag_debias buckets-prefill --passages 20 --n 8 --out out/diag-debias
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ldqa.eval.bench_debias import ranked_first
+from ldqa.eval.bench.bench_debias import ranked_first
 from ldqa.eval.nq import DEFAULT_DATA, load_nq, multidoc_example
 
 CALIBRATIONS = {"raw": lambda a, b: a, "subtract": lambda a, b: a - b, "ratio": lambda a, b: a / b}

@@ -20,8 +20,8 @@ Parts (each selectable with --part):
 The prefill is always exact (chunks of --prefill-chunk tokens, each attending to everything before it),
 so the two decodes start from identical caches: the difference is the decode attention alone.
 
-    python -m ldqa.eval.bench_retrieval --part decode --out out/bench-retrieval
-    python -m ldqa.eval.bench_retrieval --part kv --n 100 --out out/bench-retrieval
+    python -m ldqa.eval.bench.bench_retrieval --part decode --out out/bench-retrieval
+    python -m ldqa.eval.bench.bench_retrieval --part kv --n 100 --out out/bench-retrieval
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ldqa.attention.retrieval_attention import RetrievalConfig, RetrievalKV
 from ldqa.indexes.key_index import KeyIndex, KeyIndexConfig, exact_top_k, recall_at_k
 from ldqa.kernels import dispatch
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 NEEDLE = "The secret ingredient of the Korvel kiln glaze is smoked paprika."
 NEEDLE_Q = "What is the secret ingredient of the Korvel kiln glaze?"
 NEEDLE_A = "paprika"

@@ -10,7 +10,7 @@ Protocol (all through the public Python API):
    tokens/s.
 Writes `results.json` (summary) and `per_question.jsonl` to --out.
 
-    python -m ldqa.eval.bench_nq --data ../shared/data/nq-open-oracle.jsonl.gz --n 200 --out out/bench-nq
+    python -m ldqa.eval.bench.bench_nq --data ../shared/data/nq-open-oracle.jsonl.gz --n 200 --out out/bench-nq
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ to the question's and the answer's attention to passage tokens. Per grid point: 
 over those positions and how often the two agree on the most likely token. (1, 1) is plain block
 attention; a point below its KL is what APE would fit (Yang et al., ICLR 2025, sec. 4).
 
-    OMP_NUM_THREADS=1 python -m ldqa.eval.bench_block_scaling --model gemma3-270m --n 9 \\
+    OMP_NUM_THREADS=1 python -m ldqa.eval.bench.bench_block_scaling --model gemma3-270m --n 9 \\
         --temperatures 1.0,1.1,1.25 --scales 0.25,0.5,0.75,1 --out out/block-scaling-gemma
 """
 

@@ -1,6 +1,6 @@
 """Prefill on the CPU: the allocator settings on and off, and where gguf rows should leave the C kernel.
 
-    python -m ldqa.eval.bench_prefill [--model qwen2.5-coder-1.5b-instruct] [--length 1416] [--threads 1,2]
+    python -m ldqa.eval.bench.bench_prefill [--model qwen2.5-coder-1.5b-instruct] [--length 1416] [--threads 1,2]
         [--repeats 2] [--parts allocator,crossover] [--rows 1,4,6,8,16] [--out out/bench-prefill]
 
 allocator: one prefill of `--length` prompt ids (`bench_runtime.prompt_ids`) with gguf weights, in child
@@ -34,7 +34,7 @@ def child(model: str, length: int, threads: int) -> dict:
     import torch
 
     from ldqa.attention.loader import load_model
-    from ldqa.eval.bench_runtime import prompt_ids
+    from ldqa.eval.bench.bench_runtime import prompt_ids
 
     torch.set_num_threads(threads)
     lm = load_model(model, weights="gguf")
@@ -60,8 +60,8 @@ def allocator_part(model: str, length: int, threads: list[int], repeats: int) ->
             for setting in ("default", "system"):
                 env = {**os.environ, "LDQA_MALLOC": "" if setting == "default" else "system",
                        "OMP_NUM_THREADS": str(t)}
-                out = subprocess.run([sys.executable, "-m", "ldqa.eval.bench_prefill", "--child", "--model", model,
-                                      "--length", str(length), "--threads", str(t)],
+                out = subprocess.run([sys.executable, "-m", "ldqa.eval.bench.bench_prefill", "--child",
+                                      "--model", model, "--length", str(length), "--threads", str(t)],
                                      env=env, capture_output=True, text=True, check=True)
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 print(f"threads {t} {setting}: {row}", file=sys.stderr)
@@ -76,7 +76,7 @@ def crossover_part(model: str, rows: list[int], threads: list[int]) -> dict:
 
     from ldqa.attention.loader import load_model
     from ldqa.attention.quant import QLinear, quantize_q8_0
-    from ldqa.eval.profile_decode import median_ms
+    from ldqa.eval.bench.profile_decode import median_ms
     from ldqa.kernels import cpu_linear as C
 
     lm = load_model(model, weights="gguf")
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         data["allocator"] = allocator_part(args.model, args.length, threads, args.repeats)
     if "crossover" in parts:
         data["crossover"] = crossover_part(args.model, [int(m) for m in args.rows.split(",")], threads)
-    from ldqa.eval.bench_runtime import write_report
+    from ldqa.eval.bench.bench_runtime import write_report
 
     write_report(args.out, "bench-prefill", data, markdown(data))
     return 0

@@ -1,6 +1,6 @@
 """Side-by-side timing of builds of the q8_0 CPU kernel (`kernels/q8_0.c`) in one process, interleaved.
 
-    python -m ldqa.eval.bench_q8_0_builds [--build old=git:main] [--build new=kernels/q8_0.c]
+    python -m ldqa.eval.bench.bench_q8_0_builds [--build old=git:main] [--build new=kernels/q8_0.c]
         [--build avx2=kernels/q8_0.c:-mno-avx512f] [--shapes 1x262144x640,layers] [--threads 1,2] [--reps 31]
 
 Each `--build TAG=SOURCE[:FLAGS]` compiles SOURCE (a q8_0.c beside its decode_attention.c and simd.h, or
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KERNEL_FILES = ("q8_0.c", "decode_attention.c", "simd.h", "gguf_blocks.h")
 
 

@@ -1,4 +1,4 @@
-"""Ray's own overhead for ldqa's batch paths: ``python -m ldqa.eval.bench_ray [--workers 2] [--calls 200]``.
+"""Ray's own overhead for ldqa's batch paths: ``python -m ldqa.eval.bench.bench_ray [--workers 2] [--calls 200]``.
 
 Prints, in seconds: ``ray.init`` of a local instance (no dashboard), the start of `--workers` empty actors
 (process start, to the first answered call), and the round trip of one call to an actor that does nothing

@@ -1,6 +1,6 @@
 """BM25 tokenizations side by side on NQ-open: does CJK/ligature-aware search cost English recall?
 
-    python -m ldqa.eval.bench_bm25 [--n 200] [--seed 0] [--out out/bench-bm25]
+    python -m ldqa.eval.bench.bench_bm25 [--n 200] [--seed 0] [--out out/bench-bm25]
 
 All gold passages of NQ-open (`# title` + text, as `bench_nq` ingests them) go into three in-memory
 SQLite FTS5 tables, each searched with its own query rewriting, for the same seeded questions:
@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ldqa.eval.bench_runtime import write_report
+from ldqa.eval.bench.bench_runtime import write_report
 from ldqa.eval.nq import DEFAULT_DATA, load_nq
 from ldqa.indexes.store import _FTS_TOKENIZE, STOPWORDS, fts_query
 from ldqa.retrieval.search_text import search_text
@@ -99,7 +99,7 @@ def table(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench_bm25", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench.bench_bm25", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="NQ-open oracle file (.jsonl.gz)")
     ap.add_argument("--n", type=int, default=200, help="questions (seeded sample, as bench_nq)")
     ap.add_argument("--seed", type=int, default=0)

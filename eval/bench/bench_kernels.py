@@ -2,9 +2,9 @@
 
 Usage::
 
-    python -m ldqa.eval.bench_kernels --out results.json      # CUDA GPU; about 2-4 minutes on an H200
-    python -m ldqa.eval.bench_kernels --smoke --out smoke.json # tiny shapes on the CPU (Triton interpreter)
-    python -m ldqa.eval.bench_kernels --compile-check --out compile.json  # no GPU: compile for sm_90
+    python -m ldqa.eval.bench.bench_kernels --out results.json      # CUDA GPU; about 2-4 minutes on an H200
+    python -m ldqa.eval.bench.bench_kernels --smoke --out smoke.json # tiny shapes on the CPU (Triton interpreter)
+    python -m ldqa.eval.bench.bench_kernels --compile-check --out compile.json  # no GPU: compile for sm_90
 
 Measures, in bfloat16 at sequence lengths 1K..128K (batch 1, 32 query heads, 8 KV heads, head_dim 128 by
 default):

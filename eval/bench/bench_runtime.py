@@ -1,8 +1,8 @@
 """ldqa's runtime in every weight format against llama.cpp, side by side in one process.
 
-    python -m ldqa.eval.bench_runtime [--formats fp32,bf16,int8,int4,q8_0] [--threads 1,2] [--lengths 1416,8192]
-                                      [--new-tokens 32] [--repeats 3] [--out out/bench-runtime] [--no-llama]
-                                      [--shape-check]
+    python -m ldqa.eval.bench.bench_runtime [--formats fp32,bf16,int8,int4,q8_0] [--threads 1,2] [--lengths 1416,8192]
+                                            [--new-tokens 32] [--repeats 3] [--out out/bench-runtime] [--no-llama]
+                                            [--shape-check]
 
 The same GGUF (Gemma 3 270M Q4_K_M by default) and the same prompt ids go to ldqa (each `--formats`
 entry, loaded through `load_model`) and to llama.cpp (llama-cpp-python, the optional `bench` extra; skipped
@@ -60,7 +60,7 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     question fits, + the question: `length` ids in all."""
     from ldqa.retrieval.loaders import load_document
 
-    docs = Path(__file__).resolve().parents[1] / "app" / "sample" / "docs"
+    docs = Path(__file__).resolve().parents[2] / "app" / "sample" / "docs"
     text = "\n\n".join(load_document(p).text for p in sorted(docs.iterdir()))
     body = tokenizer.encode(text)
     q = tokenizer.encode(QUESTION)
@@ -332,7 +332,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench_runtime", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench.bench_runtime", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m", help="a packaged model name or a .gguf file")
     ap.add_argument("--formats", default="fp32,bf16,int8,int4,q8_0",
                     help="ldqa weight formats, comma-separated (q8_0/modules: q8_0 without the fused decode and "

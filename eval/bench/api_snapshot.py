@@ -1,7 +1,7 @@
 """Record, or check, what `LongDocQA.ask` returns in every attention and debias mode: the guard of a refactor.
 
-    python -m ldqa.eval.api_snapshot record --model gemma3-270m --out docs/data/api-snapshot-gemma3-270m.json
-    python -m ldqa.eval.api_snapshot check docs/data/api-snapshot-gemma3-270m.json
+    python -m ldqa.eval.bench.api_snapshot record --model gemma3-270m --out docs/data/api-snapshot-gemma3-270m.json
+    python -m ldqa.eval.bench.api_snapshot check docs/data/api-snapshot-gemma3-270m.json
 
 Greedy decoding is deterministic, so a change that only moves code (a refactor of the attention
 orchestration, the API or the loader) must give the same answers. For the bundled sample (ingested into a fresh temporary
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SAMPLE = Path(__file__).resolve().parents[1] / "app" / "sample"
+SAMPLE = Path(__file__).resolve().parents[2] / "app" / "sample"
 
 # (attention, debias): every attention mode with no debiasing, and every debias method where it applies
 MODES = [("full", "none"), ("block", "none"), ("block+recompute", "none"), ("retrieval", "none"),
@@ -82,7 +82,7 @@ def differences(old: dict, new: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.api_snapshot", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench.api_snapshot", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record", help="ask every mode and write the snapshot")
     r.add_argument("--model", default="gemma3-270m", help="model name or path")

@@ -14,8 +14,8 @@ many do. The passages' blocks are stored before a question's variants run, so ev
 ran to the token cap, median TTFT and the tokens recomputed. Resumable: one JSON row per answer in
 OUT/rows.jsonl; the summary in OUT/summary.json and as a Markdown table on stdout.
 
-    OMP_NUM_THREADS=1 python -m ldqa.eval.bench_recompute --model gemma3-270m --n 40 --out out/recompute-gemma
-    python -m ldqa.eval.bench_recompute --part ttft --passages 5 --n 5 --out out/recompute-ttft
+    OMP_NUM_THREADS=1 python -m ldqa.eval.bench.bench_recompute --model gemma3-270m --n 40 --out out/recompute-gemma
+    python -m ldqa.eval.bench.bench_recompute --part ttft --passages 5 --n 5 --out out/recompute-ttft
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ by question (paired differences, SE) and applies the rule `choose` states: the b
 the accuracy parts; among configurations whose gain is within one SE of it, the fastest 10-question
 session. Writes ``OUT/results-defaults.json`` and ``OUT/summary-defaults.md``.
 
-    OMP_NUM_THREADS=1 python -m ldqa.eval.bench_defaults --parts pg5,pg10 --out out/bench-defaults &
-    OMP_NUM_THREADS=1 python -m ldqa.eval.bench_defaults --parts nq10,session,nq20 --out out/bench-defaults
-    python -m ldqa.eval.bench_defaults --summary-only --out out/bench-defaults
+    OMP_NUM_THREADS=1 python -m ldqa.eval.bench.bench_defaults --parts pg5,pg10 --out out/bench-defaults &
+    OMP_NUM_THREADS=1 python -m ldqa.eval.bench.bench_defaults --parts nq10,session,nq20 --out out/bench-defaults
+    python -m ldqa.eval.bench.bench_defaults --summary-only --out out/bench-defaults
 
 Needs ``../shared/data`` (NQ-open oracle file, the essays); the product never does.
 """

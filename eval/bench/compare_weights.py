@@ -1,6 +1,7 @@
 """Paired comparison of `ldqa eval` runs that differ in one setting (weight format, model, chat template).
 
-    python -m ldqa.eval.compare_weights [--mode full] [--ref-mode M] out/eval-weights-fp32 out/eval-weights-int8 [...]
+    python -m ldqa.eval.bench.compare_weights [--mode full] [--ref-mode M]
+        out/eval-weights-fp32 out/eval-weights-int8 [...]
 
 The first directory is the reference; rows of the eval mode `full` are compared (`ldqa eval jsonl` with a
 retriever writes `full@hybrid` and the like) (`--mode M` first to

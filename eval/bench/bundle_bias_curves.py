@@ -3,8 +3,8 @@ question does not spend its estimate (10-60 s for Gemma 3 270M, 2.5-4 minutes fo
 this 2-core machine): the default model in its default weights at the default top_k, full attention and
 block attention (whose default debiasing, `calibrate+reorder`, reads one), and Gemma 3 270M at k = 1..10.
 
-    python -m ldqa.eval.bundle_bias_curves --modes block,full --k 5       # the default model
-    python -m ldqa.eval.bundle_bias_curves --model gemma3-270m --modes full,block --k 1-10
+    python -m ldqa.eval.bench.bundle_bias_curves --modes block,full --k 5       # the default model
+    python -m ldqa.eval.bench.bundle_bias_curves --model gemma3-270m --modes full,block --k 1-10
 
 Each curve is `LongDocQA.bias_curve` (found-in-the-middle calibration on the bundled sample, the same
 computation a user's machine would do; taken from this machine's cache when there) and is stored under
@@ -27,7 +27,7 @@ from ldqa.attention.bias_curve import BUNDLED
 
 ABOUT = ("position-only attention bias curves (found-in-the-middle calibration) of ldqa's packaged models, by cache "
          "file name: the default model at the default top_k, Gemma 3 270M at k = 1..10; written by python -m "
-         "ldqa.eval.bundle_bias_curves")
+         "ldqa.eval.bench.bundle_bias_curves")
 
 
 def parse_ks(spec: str) -> list[int]:

@@ -1,8 +1,8 @@
 """Does the prompt let ldqa say "not in the documents"? Abstention against answering, per instruction.
 
-    python -m ldqa.eval.bench_abstain [--n 60] [--seed 0] [--k 5] [--instructions default,framed]
-                                      [--model M] [--weights W] [--out out/bench-abstain]
-    python -m ldqa.eval.bench_abstain --part retrieval [--n 200] [--out out/bench-abstain-retrieval]
+    python -m ldqa.eval.bench.bench_abstain [--n 60] [--seed 0] [--k 5] [--instructions default,framed]
+                                            [--model M] [--weights W] [--out out/bench-abstain]
+    python -m ldqa.eval.bench.bench_abstain --part retrieval [--n 200] [--out out/bench-abstain-retrieval]
 
 Two abstention paths, each measured on questions whose answer is in the passages and on questions whose
 answer is not.
@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 
 from ldqa.app.prompt import ABSTAIN_PHRASE, FRAMED_INSTRUCTION, INSTRUCTION
-from ldqa.eval.bench_runtime import write_report
+from ldqa.eval.bench.bench_runtime import write_report
 from ldqa.eval.metrics import best_subspan_em, normalize_answer
 from ldqa.eval.nq import DEFAULT_DATA, load_nq
 
@@ -149,7 +149,7 @@ def sample_scores(out: Path) -> dict:
     """Best dense score (`LongDocQA.retrieve`, dense) of the sample's questions and of OFF_TOPIC ones."""
     from ldqa.app.api import LongDocQA
 
-    sample = Path(__file__).resolve().parents[1] / "app" / "sample"
+    sample = Path(__file__).resolve().parents[2] / "app" / "sample"
     qa = LongDocQA(store=out / "sample-store")
     qa.ingest([sample / "docs"])
     questions = [json.loads(line)["question"] for line in open(sample / "questions.jsonl")]
@@ -211,7 +211,7 @@ def table_retrieval(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench_abstain", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench.bench_abstain", description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=["prompt", "retrieval"], default="prompt")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="NQ-open oracle file (.jsonl.gz)")
     ap.add_argument("--n", type=int, default=None, help="questions (seeded sample; default 60, retrieval 200)")

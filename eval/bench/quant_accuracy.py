@@ -1,7 +1,7 @@
 """How far each weight format moves a real model from fp32, on the same inputs.
 
-    python -m ldqa.eval.quant_accuracy [--models gemma3-270m,smollm2-135m] [--formats bf16,int8,int4]
-                                       [--group-sizes 32,64,128] [--n 20] [--out out/quant-accuracy]
+    python -m ldqa.eval.bench.quant_accuracy [--models gemma3-270m,smollm2-135m] [--formats bf16,int8,int4]
+                                             [--group-sizes 32,64,128] [--n 20] [--out out/quant-accuracy]
 
 Per model and format (int4 at each group size), against fp32:
 - teacher-forced next-token agreement (top-1 equal to fp32's), mean KL(fp32 || format) and the negative
@@ -25,9 +25,9 @@ import torch
 from ldqa.attention.block_attention import BlockRuntime
 from ldqa.attention.generate import SamplingConfig, start_generation
 from ldqa.attention.loader import load_model
-from ldqa.eval.bench_runtime import write_report
+from ldqa.eval.bench.bench_runtime import write_report
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def _greedy(lm, ids, n=32):
@@ -98,7 +98,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.quant_accuracy", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench.quant_accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gemma3-270m,smollm2-135m")
     ap.add_argument("--formats", default="bf16,int8,int4")
     ap.add_argument("--group-sizes", default="32,64,128", help="int4 group sizes")

@@ -1,6 +1,6 @@
 """Per-matrix decode cost of the gguf weight format's block types against q8_0, side by side in one process.
 
-    python -m ldqa.eval.bench_gguf_blocks [--threads 1] [--reps 20] [--copies 48] [--out out/bench-gguf-blocks]
+    python -m ldqa.eval.bench.bench_gguf_blocks [--threads 1] [--reps 20] [--copies 48] [--out out/bench-gguf-blocks]
 
 For each (block type, N x K) of Gemma 3 270M's layers (Q5_0 2048 x 640 as gate/up, Q4_K and Q6_K 640 x 2048
 as down_proj) and the other 32-block types at 2048 x 640: `--copies` random matrices in that type and as

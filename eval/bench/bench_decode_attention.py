@@ -1,7 +1,7 @@
 """The CPU decode attention (`kernels/decode_attention.c`) per call, for the packaged models' GQA shapes.
 
-    python -m ldqa.eval.bench_decode_attention [--lengths 1416,8192] [--threads 1,2] [--repeats 5]
-                                               [--out out/bench-decode-attention]
+    python -m ldqa.eval.bench.bench_decode_attention [--lengths 1416,8192] [--threads 1,2] [--repeats 5]
+                                                     [--out out/bench-decode-attention]
 
 One query token over `L` cached keys, as a decode step calls it: 24 caches of random K/V (one per layer,
 cycled, so each call reads its K and V cold, as in a step where the weights pass through the caches between

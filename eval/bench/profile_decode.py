@@ -1,7 +1,7 @@
 """Where a decode step's time goes, per weight format: the LM head, the other matmuls, attention, the rest.
 
-    python -m ldqa.eval.profile_decode [--model gemma3-270m] [--formats int8] [--threads 1] [--length 1416]
-                                       [--steps 10] [--compile-probe] [--out out/profile-decode]
+    python -m ldqa.eval.bench.profile_decode [--model gemma3-270m] [--formats int8] [--threads 1] [--length 1416]
+                                             [--steps 10] [--compile-probe] [--out out/profile-decode]
 
 For each format the model prefills `--length` prompt ids (the same ids as `bench_runtime`) and then runs
 greedy decode steps; a step's wall time is measured without the profiler (median of `--steps`), and
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ldqa.attention.loader import load_model
-from ldqa.eval.bench_runtime import prompt_ids, write_report
+from ldqa.eval.bench.bench_runtime import prompt_ids, write_report
 
 # the fused q8_0 decode calls (decode_runner.FusedDecode) count as matmuls: their norms, RoPE and activation are a
 # small part of them (a few thousand values per layer against the weight rows)
@@ -118,7 +118,7 @@ def table(rows: list[dict], probe: dict | None) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.profile_decode", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ldqa.eval.bench.profile_decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m", help="packaged model name or GGUF path")
     ap.add_argument("--formats", default="int8", help="comma-separated weight formats")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")

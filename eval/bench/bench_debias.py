@@ -11,7 +11,7 @@ results-debias-{k}.json, summary-debias-{k}.md (EM by position, paired differenc
 latency; a length control: EM on each answer's first 5 words) and a PNG of accuracy vs gold position;
 --summary-only rewrites them from the rows.
 
-    python -m ldqa.eval.bench_debias --passages 10 --positions 1,5,10 --n 200 --out out/bench-debias
+    python -m ldqa.eval.bench.bench_debias --passages 10 --positions 1,5,10 --n 200 --out out/bench-debias
 """
 
 from __future__ import annotations

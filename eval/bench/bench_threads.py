@@ -1,8 +1,8 @@
 """Prefill and decode speed with a fixed thread count against the thread governor (`ldqa.attention.threads`),
 on an idle machine and next to a busy core, side by side in one process.
 
-    python -m ldqa.eval.bench_threads [--weights gguf] [--length 1416] [--new-tokens 64] [--repeats 3]
-                                      [--hogs 0,1] [--out out/bench-threads]
+    python -m ldqa.eval.bench.bench_threads [--weights gguf] [--length 1416] [--new-tokens 64] [--repeats 3]
+                                            [--hogs 0,1] [--out out/bench-threads]
 
 For each number of hogs (busy-loop processes started for the measurement and stopped after it: 1 is
 "another job on one of the cores") and each repetition, in a shuffled order: greedy decode of
@@ -63,7 +63,7 @@ def _decode(lm, ids, new_tokens, threads):
 def main(argv=None) -> int:
     from ldqa.attention.loader import load_model
     from ldqa.attention.threads import DecodeThreads
-    from ldqa.eval.bench_runtime import prompt_ids
+    from ldqa.eval.bench.bench_runtime import prompt_ids
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gemma3-270m")

@@ -10,8 +10,8 @@ Two parts, each selectable:
             built, see BlockRuntime.assemble). Resumable: per-example rows in a JSONL file.
 Also: KV store bytes per 1K tokens (vs the model's KV size), peak RSS.
 
-    python -m ldqa.eval.bench_block --part ttft --out out/bench-block
-    python -m ldqa.eval.bench_block --part accuracy --passages 10 --n 200 --out out/bench-block
+    python -m ldqa.eval.bench.bench_block --part ttft --out out/bench-block
+    python -m ldqa.eval.bench.bench_block --part accuracy --passages 10 --n 200 --out out/bench-block
 """
 
 from __future__ import annotations
