@@ -15,7 +15,7 @@ app gives its bundled sample documents) and the questions are our own (`CALIBRAT
 is computed once per (model fingerprint, k, attention mode, n_examples, seed) and cached on disk
 (`bias_cache_path`, a JSON file written atomically). The default model's curves at the default top_k
 and Gemma 3 270M's at k = 1..10 ship with the package (`BUNDLED`, written by ``python -m
-ldqa.eval.bundle_bias_curves``): estimating one takes 10-60 s for Gemma 3 270M and minutes for Qwen2.5 1.5B
+ldqa.eval.bench.bundle_bias_curves``): estimating one takes 10-60 s for Gemma 3 270M and minutes for Qwen2.5 1.5B
 on a 2-core CPU, which the first debiased question of a new user would otherwise pay.
 """
 

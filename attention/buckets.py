@@ -75,7 +75,7 @@ def bucket_context(model, fingerprint: str, prompt: PromptSegments, max_new: int
     """One exact prefill of `prompt` per RoPE base scale in `scales` (each kept in `memo` as exact
     prefills are); with `share_layers` the layers below the first global one run once for all branches
     that are not in the memo yet (False: each branch's whole prefill, the side-by-side comparison of
-    `python -m ldqa.eval.diag_debias buckets-prefill`).
+    `python -m ldqa.eval.bench.diag_debias buckets-prefill`).
 
     Returns (branch 0's Context with the ensemble's first logits (1, 1, vocab) and the branches' summed
     `reused_prefill_ms`, the BucketEnsemble that decodes all branches, DebiasStats with debias_ms and
