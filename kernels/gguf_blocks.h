@@ -522,6 +522,19 @@ static float rowk512_q6_k(const uint8_t *w, const kx_t *a, int64_t nsb) {
 
 typedef float (*gguf_row_fn)(const uint8_t *, const int16_t *, const float *, const int32_t *, int64_t);
 typedef float (*gguf_rowk_fn)(const uint8_t *, const kx_t *, int64_t);
+/* n consecutive rows (row_bytes apart) of a K-type matrix against one activation row: y[r], r < n */
+typedef void (*gguf_rowsk_fn)(const uint8_t *, int64_t, int64_t, const kx_t *, int64_t, float *);
+
+/* The row loop is compiled around each row function, so the row is inlined into it: its constants (nibble
+ * mask, scale-lane indices) are set once per run of rows and there is no call per row. Measured at one
+ * thread on a Zen 5 machine (Qwen2.5 1.5B's 28 gate_proj matrices, Q4_K, from memory): one call per row
+ * through a function pointer 28.6 GB/s, the rows inlined in one loop 34.8 GB/s. */
+#define GGUF_ROWS_K(name, row)                                                                                   \
+    static void name(const uint8_t *w, int64_t row_bytes, int64_t n, const kx_t *a, int64_t nsb, float *y) {   \
+        for (int64_t r = 0; r < n; r++) y[r] = row(w + r * row_bytes, a, nsb);                                   \
+    }
+GGUF_ROWS_K(rows_q4_k, GGUF_ROWK_Q4_K)
+GGUF_ROWS_K(rows_q6_k, GGUF_ROWK_Q6_K)
 
 /* the row function of a 32-block type (not Q8_0, which q8_0.c reads in its split layout); NULL otherwise */
 static inline gguf_row_fn gguf_row(int64_t type) {
@@ -537,6 +550,11 @@ static inline gguf_row_fn gguf_row(int64_t type) {
 /* the row function of a K type (int8 activations per 256); NULL otherwise */
 static inline gguf_rowk_fn gguf_rowk(int64_t type) {
     return type == T_Q4_K ? GGUF_ROWK_Q4_K : type == T_Q6_K ? GGUF_ROWK_Q6_K : NULL;
+}
+
+/* the row loop of a K type (`GGUF_ROWS_K`); NULL otherwise */
+static inline gguf_rowsk_fn gguf_rowsk(int64_t type) {
+    return type == T_Q4_K ? rows_q4_k : type == T_Q6_K ? rows_q6_k : NULL;
 }
 
 /* Dequantize one row (K weights) of type `type` into out (K,) fp32: the same values the `gguf` package's

@@ -35,6 +35,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "gguf_blocks.h"
 #include "simd.h"
@@ -278,6 +281,8 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
         if (any_k) memset(precise, 1, M * nsb); /* several rows (a short prefill, a question segment): int16 */
     }
     const int pf = K <= PF_MAX_K;
+    /* decode (one row of x) through a K-type matrix: whole runs of rows per call (`gguf_rowsk`) */
+    const kx_t a1 = {x8, xd8, bs, precise, xq, xd, xs, x8q, b32};
 #pragma omp parallel num_threads(threads)
     {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -285,10 +290,24 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
 #else
         float c[MAX_BLOCKS]; /* (nb,): combined scales of one weight row against one row of x */
 #endif
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < N; r++) {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        /* this thread's output channels: one contiguous share of the N, as `schedule(static)` deals them */
+        const int64_t share = (N + nt - 1) / nt, r0 = t * share < N ? t * share : N,
+                      r1 = r0 + share < N ? r0 + share : N;
+        for (int i = 0; i < nm; i++) {
+            const int64_t lo = r0 > start[i] ? r0 : start[i], hi = r1 < start[i + 1] ? r1 : start[i + 1];
+            if (lo >= hi || !(M == 1 && fnk[i])) continue;
+            gguf_rowsk(mats[i].type)((const uint8_t *)mats[i].w + (lo - start[i]) * row_bytes[i], row_bytes[i],
+                                     hi - lo, &a1, nsb, y + lo);
+        }
+        for (int64_t r = r0; r < r1; r++) {
             int i = 0;
             while (r >= start[i + 1]) i++;
+            if (M == 1 && fnk[i]) continue; /* done above */
             const int64_t n = r - start[i];
             const uint8_t *wn = (const uint8_t *)mats[i].w + n * row_bytes[i];
             float *yn = y + r;
