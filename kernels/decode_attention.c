@@ -79,19 +79,22 @@ static void softmax_columns(float *s, int64_t L, int64_t g, float *inv) {
     }
 }
 
-/* Tiled single pass for g = G query heads per KV head (G = 1..8; d a multiple of 8 * NV): each thread takes
- * a contiguous range of keys in tiles of TILE; per tile, the scores of its keys (two keys at a time: 2G
+/* Tiled single pass for g = G query heads per KV head (G = 1..8; d a multiple of 8 * NV): the keys are cut
+ * into chunks of CHUNK, each one partial result (its (G, d) sums, running max and sum), the threads taking
+ * contiguous runs of chunks; within a chunk, tiles of TILE keys; per tile, the scores of its keys (two keys at a time: 2G
  * independent FMA chains; the tile's value rows are prefetched meanwhile), stored head-major (s[r * TILE +
  * j]: each head's TILE scores contiguous, so the exps and sums run 8 keys at a time for any G), their exps
  * against the running max (online softmax: the running sums are rescaled when the max grows), then the
- * weighted sum of the tile's value rows into the thread's (G, d) sums, slices of 8 * NV dims held in
- * registers over the tile. The threads' partial results are merged by their log-sum-exp (flash-decoding,
- * Dao et al. 2023). Reading K and V cold from memory (decode: every weight of a step passes through the
+ * weighted sum of the tile's value rows into the chunk's (G, d) sums, slices of 8 * NV dims held in
+ * registers over the tile. The chunks' partial results are merged in order by their log-sum-exp
+ * (flash-decoding, Dao et al. 2023): as the chunks do not depend on the thread count, neither does the
+ * output, bit for bit (one thread computes the same chunks one after another). Reading K and V cold from memory (decode: every weight of a step passes through the
  * caches between two visits of a layer's KV) is most of the time, and the hardware prefetcher alone fetched
  * them at ~8 GB/s: the score loop asks for the key rows K_AHEAD ahead and for the tile's value rows.
  * Measured (g = 4, d = 256, one thread, K/V cold, C harness): L = 512 ~90 us and L = 1416 ~240 us per call,
  * against ~140 / ~320 for two parallel loops with a serial softmax. */
 #define TILE 32    /* keys per tile: their value rows (32 KB at d = 256) fit in L1; a multiple of 8 */
+#define CHUNK 256  /* keys per partial result (a multiple of TILE): the partials do not depend on the threads */
 #define K_AHEAD 32 /* key rows ahead that the score loop asks into L1 (a prefetch past the end never faults) */
 /* The vector operations of the tiled pass per width W: 256 (AVX2, 8 floats) and 512 (AVX-512, 16 floats) */
 #define VT_256 __m256
@@ -122,14 +125,11 @@ static inline float hsum512(__m512 v) {
 
 #define ATTEND_TILED(NAME, G, NV, W)                                                                                   \
     static void NAME(const float *qh, const float *kh, const float *vh, int64_t L, int64_t d,                          \
-                           const uint8_t *mask, float scale, float *part, int nt) {                                    \
-        _Pragma("omp parallel num_threads(nt)")                                                                        \
-        {                                                                                                              \
-            const int t = omp_get_thread_num(), n = omp_get_num_threads();                                             \
-            const int64_t ntile = (L + TILE - 1) / TILE;                                                               \
-            const int64_t j0 = TILE * (ntile * t / n), j1e = TILE * (ntile * (t + 1) / n);                             \
-            const int64_t j1 = j1e < L ? j1e : L;                                                                      \
-            float *acc = part + (int64_t)t * (G * d + 2 * G), *mx = acc + G * d, *sum = mx + G;                        \
+                     const uint8_t *mask, float scale, float *part, int64_t nch, int nt) {                             \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)")                                                   \
+        for (int64_t ch = 0; ch < nch; ch++) {                                                                         \
+            const int64_t j0 = ch * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;                                       \
+            float *acc = part + ch * (G * d + 2 * G), *mx = acc + G * d, *sum = mx + G;                                \
             for (int64_t i = 0; i < G * d; i++) acc[i] = 0.0f;                                                         \
             for (int r = 0; r < G; r++) mx[r] = -INFINITY, sum[r] = 0.0f;                                              \
             float s[G * TILE] __attribute__((aligned(32)));                                                            \
@@ -237,25 +237,22 @@ ATTEND512_G(8, 2)
 #define TILED512_NV(g) ((g) <= 6 ? 4 : 2)
 #endif
 
-/* out (g, d) = the merge of nt partial results (acc (g, d), max (g,), sum (g,) each, as attend_G leaves
- * them) by their log-sum-exp; a head with no allowed key anywhere gets zeros */
-static void merge_parts(const float *part, int nt, int64_t g, int64_t d, float *out) {
+/* out (g, d) = the merge of np partial results (acc (g, d), max (g,), sum (g,) each, as attend_G leaves
+ * them), in their order, by their log-sum-exp; a head with no allowed key anywhere gets zeros */
+static void merge_parts(const float *part, int64_t np, int64_t g, int64_t d, float *out) {
     const int64_t stride = g * d + 2 * g;
     for (int64_t r = 0; r < g; r++) {
-        float m = -INFINITY;
-        for (int t = 0; t < nt; t++) m = part[t * stride + g * d + r] > m ? part[t * stride + g * d + r] : m;
-        float w[64], tot = 0.0f;
-        for (int t = 0; t < nt; t++) {
-            const float mt = part[t * stride + g * d + r];
-            w[t] = mt == -INFINITY ? 0.0f : expf(mt - m);
-            tot += w[t] * part[t * stride + g * d + g + r];
+        float m = -INFINITY, tot = 0.0f;
+        for (int64_t t = 0; t < np; t++) m = part[t * stride + g * d + r] > m ? part[t * stride + g * d + r] : m;
+        float *o = out + r * d;
+        for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+        for (int64_t t = 0; t < np; t++) {
+            const float mt = part[t * stride + g * d + r], w = mt == -INFINITY ? 0.0f : expf(mt - m);
+            tot += w * part[t * stride + g * d + g + r];
+            for (int64_t i = 0; i < d; i++) o[i] += w * part[t * stride + r * d + i];
         }
         const float inv = m == -INFINITY ? 0.0f : 1.0f / tot;
-        for (int64_t i = 0; i < d; i++) {
-            float x = 0.0f;
-            for (int t = 0; t < nt; t++) x += w[t] * part[t * stride + r * d + i];
-            out[r * d + i] = x * inv;
-        }
+        for (int64_t i = 0; i < d; i++) o[i] *= inv;
     }
 }
 
@@ -310,42 +307,42 @@ int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_
                           int64_t d, int64_t hs, const uint8_t *mask, float scale, float *out, int threads) {
     if (KV <= 0 || H % KV || H / KV > MAX_GROUP || d % 8) return 1;
     const int64_t g = H / KV;
-    /* the tiled pass (g <= 8) takes d in slices of 8 * TILED_NV(g) dims; at most one thread per TILE keys */
+    /* the tiled pass (g <= 8) takes d in slices of 8 * TILED_NV(g) dims; at most one thread per chunk */
     if (g <= 8 && d % (8 * TILED_NV(g)) == 0) {
-        const int64_t ntile = (L + TILE - 1) / TILE;
-        int nt = threads < 1 ? 1 : threads > 64 ? 64 : threads;
-        if (nt > ntile) nt = ntile > 0 ? (int)ntile : 1;
-        float *part = malloc(nt * (g * d + 2 * g) * sizeof(float));
+        const int64_t nch = L > CHUNK ? (L + CHUNK - 1) / CHUNK : 1;
+        int nt = threads < 1 ? 1 : threads;
+        if (nt > nch) nt = (int)nch;
+        float *part = malloc(nch * (g * d + 2 * g) * sizeof(float));
         if (!part) return 2;
         for (int64_t kvh = 0; kvh < KV; kvh++) {
             const float *kh = k + kvh * hs, *vh = v + kvh * hs, *qh = q + kvh * g * d;
 #ifdef HAVE_TILED512
             if (d % (16 * TILED512_NV(g)) == 0) {
                 switch (g) {
-                case 1: attend512_1(qh, kh, vh, L, d, mask, scale, part, nt); break;
-                case 2: attend512_2(qh, kh, vh, L, d, mask, scale, part, nt); break;
-                case 3: attend512_3(qh, kh, vh, L, d, mask, scale, part, nt); break;
-                case 4: attend512_4(qh, kh, vh, L, d, mask, scale, part, nt); break;
-                case 5: attend512_5(qh, kh, vh, L, d, mask, scale, part, nt); break;
-                case 6: attend512_6(qh, kh, vh, L, d, mask, scale, part, nt); break;
-                case 7: attend512_7(qh, kh, vh, L, d, mask, scale, part, nt); break;
-                default: attend512_8(qh, kh, vh, L, d, mask, scale, part, nt); break;
+                case 1: attend512_1(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+                case 2: attend512_2(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+                case 3: attend512_3(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+                case 4: attend512_4(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+                case 5: attend512_5(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+                case 6: attend512_6(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+                case 7: attend512_7(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+                default: attend512_8(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
                 }
-                merge_parts(part, nt, g, d, out + kvh * g * d);
+                merge_parts(part, nch, g, d, out + kvh * g * d);
                 continue;
             }
 #endif
             switch (g) {
-            case 1: attend_1(qh, kh, vh, L, d, mask, scale, part, nt); break;
-            case 2: attend_2(qh, kh, vh, L, d, mask, scale, part, nt); break;
-            case 3: attend_3(qh, kh, vh, L, d, mask, scale, part, nt); break;
-            case 4: attend_4(qh, kh, vh, L, d, mask, scale, part, nt); break;
-            case 5: attend_5(qh, kh, vh, L, d, mask, scale, part, nt); break;
-            case 6: attend_6(qh, kh, vh, L, d, mask, scale, part, nt); break;
-            case 7: attend_7(qh, kh, vh, L, d, mask, scale, part, nt); break;
-            default: attend_8(qh, kh, vh, L, d, mask, scale, part, nt); break;
+            case 1: attend_1(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+            case 2: attend_2(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+            case 3: attend_3(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+            case 4: attend_4(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+            case 5: attend_5(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+            case 6: attend_6(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+            case 7: attend_7(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
+            default: attend_8(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
             }
-            merge_parts(part, nt, g, d, out + kvh * g * d);
+            merge_parts(part, nch, g, d, out + kvh * g * d);
         }
         free(part);
         return 0;

@@ -216,6 +216,27 @@ def test_decode_attention_matches_the_reference(heads, kv_heads, L, d, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.skipif(not X86, reason="the kernel is written for x86-64")
+@pytest.mark.parametrize("heads,kv_heads,L,d", [(12, 2, 1416, 128), (4, 1, 600, 256), (14, 2, 257, 64),
+                                                (9, 3, 1000, 64), (16, 1, 300, 256)])
+def test_decode_attention_does_not_depend_on_the_thread_count(heads, kv_heads, L, d):
+    # the keys' partial results are fixed chunks, merged in order, whichever thread computes them
+    g = torch.Generator().manual_seed(L)
+    k, v = torch.randn(1, kv_heads, L, d, generator=g), torch.randn(1, kv_heads, L, d, generator=g)
+    q = torch.randn(1, heads, 1, d, generator=g) * 3
+    mask = torch.rand(1, L, generator=g) > 0.3
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append((C.decode_attention(q, k, v, None, 0.09), C.decode_attention(q, k, v, mask, 0.09)))
+    finally:
+        torch.set_num_threads(old)
+    for other in outs[1:]:
+        assert torch.equal(other[0], outs[0][0]) and torch.equal(other[1], outs[0][1])
+
+
 def test_decode_attention_declines_what_it_does_not_take():
     q, k, v = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 9, 32), torch.randn(1, 2, 9, 32)
     assert C.decode_attention_fits(q, k, v, None) == X86
