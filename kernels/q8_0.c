@@ -300,38 +300,38 @@ static int mats_linear(const ldqa_mat *mats, int nm, const float *x, int64_t M, 
                       r1 = r0 + share < N ? r0 + share : N;
         for (int i = 0; i < nm; i++) {
             const int64_t lo = r0 > start[i] ? r0 : start[i], hi = r1 < start[i + 1] ? r1 : start[i + 1];
-            if (lo >= hi || !(M == 1 && fnk[i])) continue;
-            gguf_rowsk(mats[i].type)((const uint8_t *)mats[i].w + (lo - start[i]) * row_bytes[i], row_bytes[i],
-                                     hi - lo, &a1, nsb, y + lo);
-        }
-        for (int64_t r = r0; r < r1; r++) {
-            int i = 0;
-            while (r >= start[i + 1]) i++;
-            if (M == 1 && fnk[i]) continue; /* done above */
-            const int64_t n = r - start[i];
-            const uint8_t *wn = (const uint8_t *)mats[i].w + n * row_bytes[i];
-            float *yn = y + r;
-            if (fnk[i]) {
-                for (int64_t m = 0; m < M; m++) {
-                    const kx_t a = {x8 + m * K, xd8 + m * nsb, bs + m * (K / 16), precise + m * nsb,
-                                    xq + m * K, xd + m * nb, xs + m * nb, x8q + m * K, b32 + m * (K / 32)};
-                    yn[m * N] = fnk[i](wn, &a, nsb);
+            if (lo >= hi) continue;
+            if (M == 1 && fnk[i]) {
+                gguf_rowsk(mats[i].type)((const uint8_t *)mats[i].w + (lo - start[i]) * row_bytes[i], row_bytes[i],
+                                         hi - lo, &a1, nsb, y + lo);
+                continue;
+            }
+            for (int64_t r = lo; r < hi; r++) {
+                const int64_t n = r - start[i];
+                const uint8_t *wn = (const uint8_t *)mats[i].w + n * row_bytes[i];
+                float *yn = y + r;
+                if (fnk[i]) {
+                    for (int64_t m = 0; m < M; m++) {
+                        const kx_t a = {x8 + m * K, xd8 + m * nsb, bs + m * (K / 16), precise + m * nsb,
+                                        xq + m * K, xd + m * nb, xs + m * nb, x8q + m * K, b32 + m * (K / 32)};
+                        yn[m * N] = fnk[i](wn, &a, nsb);
+                    }
+                    continue;
                 }
-                continue;
-            }
-            if (fn[i]) {
-                for (int64_t m = 0; m < M; m++) yn[m * N] = fn[i](wn, xq + m * K, xd + m * nb, xs + m * nb, nb);
-                continue;
-            }
-            const uint16_t *dn = mats[i].d + n * nb;
+                if (fn[i]) {
+                    for (int64_t m = 0; m < M; m++) yn[m * N] = fn[i](wn, xq + m * K, xd + m * nb, xs + m * nb, nb);
+                    continue;
+                }
+                const uint16_t *dn = mats[i].d + n * nb;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-            channel512((const int8_t *)wn, dn, xq, xd, M, K, N, pf, c, yn);
+                channel512((const int8_t *)wn, dn, xq, xd, M, K, N, pf, c, yn);
 #else
-            for (int64_t m = 0; m < M; m++) {
-                row_scales(dn, xd + m * nb, nb, c);
-                yn[m * N] = row_dot((const int8_t *)wn, xq + m * K, c, nb, pf && m == 0);
-            }
+                for (int64_t m = 0; m < M; m++) {
+                    row_scales(dn, xd + m * nb, nb, c);
+                    yn[m * N] = row_dot((const int8_t *)wn, xq + m * K, c, nb, pf && m == 0);
+                }
 #endif
+            }
         }
     }
     free(xq);
