@@ -314,34 +314,19 @@ int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_
         if (nt > nch) nt = (int)nch;
         float *part = malloc(nch * (g * d + 2 * g) * sizeof(float));
         if (!part) return 2;
-        for (int64_t kvh = 0; kvh < KV; kvh++) {
-            const float *kh = k + kvh * hs, *vh = v + kvh * hs, *qh = q + kvh * g * d;
+        /* the pass compiled for this g: 16-float vectors where built and d takes their slices */
+        typedef void (*attend_fn)(const float *, const float *, const float *, int64_t, int64_t, const uint8_t *,
+                                  float, float *, int64_t, int);
+        static const attend_fn tiled[8] = {attend_1, attend_2, attend_3, attend_4,
+                                           attend_5, attend_6, attend_7, attend_8};
+        attend_fn attend = tiled[g - 1];
 #ifdef HAVE_TILED512
-            if (d % (16 * TILED512_NV(g)) == 0) {
-                switch (g) {
-                case 1: attend512_1(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-                case 2: attend512_2(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-                case 3: attend512_3(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-                case 4: attend512_4(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-                case 5: attend512_5(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-                case 6: attend512_6(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-                case 7: attend512_7(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-                default: attend512_8(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-                }
-                merge_parts(part, nch, g, d, out + kvh * g * d);
-                continue;
-            }
+        static const attend_fn tiled512[8] = {attend512_1, attend512_2, attend512_3, attend512_4,
+                                              attend512_5, attend512_6, attend512_7, attend512_8};
+        if (d % (16 * TILED512_NV(g)) == 0) attend = tiled512[g - 1];
 #endif
-            switch (g) {
-            case 1: attend_1(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-            case 2: attend_2(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-            case 3: attend_3(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-            case 4: attend_4(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-            case 5: attend_5(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-            case 6: attend_6(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-            case 7: attend_7(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-            default: attend_8(qh, kh, vh, L, d, mask, scale, part, nch, nt); break;
-            }
+        for (int64_t kvh = 0; kvh < KV; kvh++) {
+            attend(q + kvh * g * d, k + kvh * hs, v + kvh * hs, L, d, mask, scale, part, nch, nt);
             merge_parts(part, nch, g, d, out + kvh * g * d);
         }
         free(part);
