@@ -56,6 +56,14 @@ DEFAULT_HEADERS = "cached"
 # the gold passage's rank: an oracle for diagnostics).
 DEFAULT_SELECT = "question"
 SELECT_WINDOW = 4
+# The layers whose question queries rank the tokens for "question": the first SELECT_LAYERS (None: every
+# layer); the selection pass stops there, so fewer layers cost less (`BlockRuntime.select_layers`)
+SELECT_LAYERS = None
+# How "question" scores a slot from the question's attention probabilities of each ranking layer: their
+# mean over heads and question tokens ("mean"), their maximum ("max"), or the last question token's mean
+# over heads ("last"); the layers' scores are averaged (`token_mass`)
+SELECT_SCORES = ("mean", "max", "last")
+SELECT_SCORE = "mean"
 # Whether block modes encode a chunk of a long document after its document's anchor (its first chunk;
 # `PromptSegments.anchors`, Star Attention) by default
 DEFAULT_ANCHORS = False
@@ -169,6 +177,9 @@ class BlockRuntime:
     enabled: bool = True
     disabled_reason: str = ""
     check_error: float | None = None  # the self-check's measured error (see `self_check`)
+    select_layers: int | None = SELECT_LAYERS  # "question" selection: rank by the first this many layers
+    select_window: int = SELECT_WINDOW  # "question" selection: the windows' tokens
+    select_score: str = SELECT_SCORE  # "question" selection: SELECT_SCORES
     _prefix: dict = field(default_factory=dict, repr=False)
     _headers: dict = field(default_factory=dict, repr=False)
     _anchors: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -398,20 +409,23 @@ class BlockRuntime:
         return self._select_by_question(cache, slot_ids, spans, fresh, ratio, question)
 
     def _select_by_question(self, cache: KVCache, slot_ids, spans, fresh, ratio: float, question: list[int],
-                            window: int = SELECT_WINDOW) -> list[int]:
+                            window: int | None = None) -> list[int]:
         """Question-aware selection over the whole context (ProphetKV, A^3, CacheClip, 2025: rank context
         tokens by the question's attention to them and recompute the top share in contiguous pieces).
 
         The question (and any fresh header) is run once over the assembled block cache, its queries
         recorded at the global-attention layers (`debias.DebiasKV`); each passage slot's score is the
         attention probability the question's tokens give it (mean over those layers, heads and question
-        tokens, `token_mass`). Passages are cut into windows of `window` tokens from their start, a
-        window's score is its slots' sum, and the best windows are taken until round(ratio x passage
-        tokens) slots are chosen (the last window may be cut). Cost: one pass of the question over the
+        tokens, `token_mass`; `select_score` picks another reduction); with `select_layers` set, only the
+        first that many layers run and rank. Passages are cut into windows of `window` tokens (default
+        `select_window`) from their start, a window's score is its slots'
+        sum, and the best windows are taken until round(ratio x passage tokens) slots are chosen (the last
+        window may be cut). Cost: one pass of the question over the
         cache, plus (question tokens x cache length) scores per global layer.
         """
         from ldqa.attention.debias import DebiasKV
 
+        window = window or self.select_window
         n_total = sum(b - a for a, b in spans)
         budget = int(round(ratio * n_total))
         if budget == 0 or len(question) == 0:
@@ -426,8 +440,13 @@ class BlockRuntime:
         rec = DebiasKV(n_record=len(question), scale=self.model.cfg.attn_scale)
         cache.policy = rec
         try:
-            self._recompute(cache, slot_ids + list(question), sorted(fresh) + q_slots)
-            mass = token_mass(self.model, cache, rec.queries, torch.tensor(q_slots), cache.length)[:length]
+            slots = sorted(fresh) + q_slots
+            s = torch.tensor(slots)
+            ids = slot_ids + list(question)
+            self.model(torch.tensor([[ids[i] for i in slots]]), cache.positions[s], cache, slots=s,
+                       n_layers=self.select_layers)
+            mass = token_mass(self.model, cache, rec.queries, torch.tensor(q_slots), cache.length,
+                              self.select_score)[:length]
         finally:
             cache.policy = None
             cache.truncate(length)
@@ -560,10 +579,12 @@ class ScaledKV:
         return out.reshape(b, hq, n, d).to(q.dtype)
 
 
-def token_mass(model, cache: KVCache, queries: dict, q_slots: torch.Tensor, length: int) -> torch.Tensor:
+def token_mass(model, cache: KVCache, queries: dict, q_slots: torch.Tensor, length: int,
+               reduce: str = "mean") -> torch.Tensor:
     """Attention probability per cache slot from recorded queries: (length,) float, the mean over the
     recorded layers, their query heads and the query tokens of softmax(q k^T * attn_scale) with causal
-    masking by position. queries: layer -> (hq, T, d) the queries of the tokens at cache slots q_slots
+    masking by position (`reduce` "mean"; "max": each layer's maximum over heads and query tokens, "last":
+    the last query token's mean over heads, each averaged over the layers). queries: layer -> (hq, T, d) the queries of the tokens at cache slots q_slots
     (T,), after RoPE (`debias.DebiasKV(n_record=T)`); the slots' keys must be in the cache (the scores
     are against its first `length` slots). Raises ValueError when no query was recorded.
 
@@ -571,6 +592,8 @@ def token_mass(model, cache: KVCache, queries: dict, q_slots: torch.Tensor, leng
     probabilities, which no dispatch kernel returns): (hq, T, length) scores per layer."""
     if not queries:
         raise ValueError("token_mass: no recorded queries (the pass had no global-attention layer)")
+    if reduce not in SELECT_SCORES:
+        raise ValueError(f"token_mass: reduce must be one of {', '.join(SELECT_SCORES)}, got {reduce!r}")
     pos = cache.positions[:length]
     causal = pos[None, :] <= pos[q_slots][:, None]  # (T, L)
     total = torch.zeros(length)
@@ -579,7 +602,9 @@ def token_mass(model, cache: KVCache, queries: dict, q_slots: torch.Tensor, leng
         hkv, _, d = keys.shape
         qg = q.view(hkv, -1, q.shape[1], d)  # (hkv, g, T, d)
         s = torch.einsum("hgtd,hld->hgtl", qg, keys) * model.cfg.attn_scale
-        total += torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).mean(dim=(0, 1, 2))
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)  # (hkv, g, T, L)
+        total += (p.mean(dim=(0, 1, 2)) if reduce == "mean" else p.amax(dim=(0, 1, 2)) if reduce == "max"
+                  else p[:, :, -1].mean(dim=(0, 1)))
     return total / len(queries)
 
 

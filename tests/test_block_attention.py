@@ -318,6 +318,50 @@ def test_question_selection_follows_the_question_s_attention(lm):
     assert chosen == sorted(best)
 
 
+def test_token_mass_reductions(lm):
+    """reduce="max" is each layer's largest probability over heads and question tokens, "last" the last
+    question token's mean over heads; an unknown reduction is refused by name."""
+    from ldqa.attention.block_attention import token_mass
+    from ldqa.attention.debias import DebiasKV
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
+    cache, _, _ = BlockRuntime(lm.model, "fp").prefill(seg, [None] * 3, mode="block",
+                                                       policy=DebiasKV(n_record=len(seg.question)))
+    L, q, queries = cache.length, len(seg.question), cache.policy.queries
+    slots = torch.arange(L - q, L)
+    mean, top = (token_mass(lm.model, cache, queries, slots, L, r) for r in ("mean", "max"))
+    assert (top >= mean - 1e-6).all() and not torch.allclose(top, mean)
+    last = token_mass(lm.model, cache, {k: v[:, -1:] for k, v in queries.items()}, slots[-1:], L)
+    assert torch.allclose(token_mass(lm.model, cache, queries, slots, L, "last"), last, atol=1e-6)
+    with pytest.raises(ValueError, match="reduce"):
+        token_mass(lm.model, cache, queries, slots, L, "median")
+
+
+def test_question_selection_on_the_first_layers_ranks_by_those_layers_alone(lm):
+    """select_layers: the selection pass stops after that many layers and ranks by the queries of the
+    global-attention layers among them only (here: the first global layer)."""
+    from ldqa.attention.block_attention import token_mass
+    from ldqa.attention.debias import DebiasKV
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
+    rt = BlockRuntime(lm.model, "fp")
+    cache, _, _ = rt.prefill(seg, [None] * 3, mode="block", policy=DebiasKV(n_record=len(seg.question)))
+    L, q = cache.length, len(seg.question)
+    g = min(cache.policy.queries)
+    rt.select_layers = g + 1
+    first = token_mass(lm.model, cache, {g: cache.policy.queries[g]}, torch.arange(L - q, L), L)
+    every = token_mass(lm.model, cache, cache.policy.queries, torch.arange(L - q, L), L)
+    spans = _spans(seg)
+    block, _ = rt.assemble(seg, [None] * 3, mode="block")
+    slot_ids = seg.prefix + [t for h, b in zip(seg.headers, seg.passages) for t in h + b]
+    chosen = rt._select_by_question(block, slot_ids, spans, [], 0.05, seg.question, window=1)
+    ranked = sorted(range(spans[0][0], spans[-1][1]), key=lambda i: -first[i].item())
+    assert chosen == sorted(ranked[:len(chosen)])
+    assert block.length == L - q  # the shortened pass leaves the cache as it was
+    if len(cache.policy.queries) > 1:  # every global layer ranks otherwise here (the check can tell them apart)
+        assert chosen != sorted(sorted(range(spans[0][0], spans[-1][1]), key=lambda i: -every[i].item())[:len(chosen)])
+
+
 def test_bad_selection_is_refused_by_name(lm):
     from ldqa.attention.block_attention import BlockConfig
 

@@ -87,7 +87,11 @@ def test_bench_recompute_variants_and_paired_summary():
     assert parse_variant("question@0.2") == {"attention": "block+recompute", "recompute_select": "question",
                                              "recompute_ratio": 0.2}
     assert parse_variant("oracle")["recompute_select"] == "oracle"
-    for bad in ("question@2", "random@0.1", "question"):
+    assert parse_variant("question@0.3/layers=14,window=8,score=max") == {
+        "attention": "block+recompute", "recompute_select": "question", "recompute_ratio": 0.3,
+        "select_layers": 14, "select_window": 8, "select_score": "max"}
+    for bad in ("question@2", "random@0.1", "question", "question@0.3/layers=0", "question@0.3/layers=x",
+                "question@0.3/score=median", "question@0.3/14", "lead@0.1/window=4"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad)
     done = {}
@@ -117,3 +121,21 @@ def test_bench_block_scaling_runs_the_grid_with_plain_block_as_reference(tmp_pat
     assert {(r["temperature"], r["scale"]) for r in res["grid"]} == {(0.9, 0.5), (1.0, 1.0)}
     assert res["plain_block"]["kl"] >= 0 and res["best"]["kl"] <= res["plain_block"]["kl"]
     assert "| temperature | scale |" in capsys.readouterr().out
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(not (SHARED_DATA / "nq-open-oracle.jsonl.gz").exists(), reason="needs ../shared/data")
+def test_bench_recompute_kl_part_is_zero_when_every_token_is_recomputed(tmp_path, tiny_model_dir, capsys):
+    import json
+
+    from ldqa.eval.bench.bench_recompute import main
+
+    out = tmp_path / "o"
+    assert main(["--part", "kl", "--model", str(tiny_model_dir("qwen2")), "--n", "2", "--new-tokens", "3",
+                 "--variants", "full,block,question@1.0,question@0.3/layers=1", "--out", str(out)]) == 0
+    res = json.loads((out / "kl.json").read_text())["variants"]
+    assert set(res) == {"block", "question@1.0", "question@0.3/layers=1"}
+    assert res["question@1.0"]["kl"] < 1e-4 and res["question@1.0"]["top1_agreement"] == 1.0
+    assert res["block"]["kl"] > res["question@1.0"]["kl"] and res["block"]["mean_tokens_recomputed"] == 0
+    assert 0 < res["question@0.3/layers=1"]["mean_tokens_recomputed"] < res["question@1.0"]["mean_tokens_recomputed"]
+    assert "| question@1.0 |" in capsys.readouterr().out

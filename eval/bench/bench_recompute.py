@@ -8,6 +8,9 @@ Variants (--variants, comma-separated):
   block                     stored passage blocks, only the question computed
   SELECT@R                  block+recompute of the fraction R of the passage tokens chosen by SELECT
                             (`block_attention.SELECT_METHODS`: question, deviation, lead)
+  question@R/K=V[,K=V]      the same with the selection's settings (`BlockRuntime`): layers=L ranks by
+                            the first L layers only (the selection pass stops there), window=W tokens,
+                            score=mean|max|last (`block_attention.SELECT_SCORES`)
   oracle                    block+recompute of the gold passage whole (the answer's passage), nothing else
 Recomputing every token (e.g. question@1.0) must give full attention's answers: `same_as_full` says how
 many do. The passages' blocks are stored before a question's variants run, so every TTFT is warm. Per variant: EM by gold position, the paired difference from full (points, SE), answers that
@@ -43,13 +46,54 @@ def parse_variant(spec: str) -> dict:
         return {"attention": spec}
     if spec == "oracle":
         return {"attention": "block+recompute", "recompute_select": "oracle"}
-    name, _, ratio = spec.partition("@")
-    if name in SELECT_METHODS and ratio:
+    from ldqa.attention.block_attention import SELECT_SCORES
+
+    name, _, rest = spec.partition("@")
+    ratio, _, extra = rest.partition("/")
+    settings = {}
+    try:
         r = float(ratio)
-        if 0 <= r <= 1:
-            return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r}
-    raise ValueError(f"variant {spec!r}: use full, block, oracle or SELECT@R with SELECT one of "
-                     f"{', '.join(SELECT_METHODS)} and R in [0, 1]")
+        for item in filter(None, extra.split(",")):
+            k, _, v = item.partition("=")
+            if k in ("layers", "window") and int(v) >= 1:
+                settings["select_" + k] = int(v)
+            elif k == "score" and v in SELECT_SCORES:
+                settings["select_score"] = v
+            else:
+                raise ValueError
+    except ValueError:
+        r = None
+    if name in SELECT_METHODS and r is not None and 0 <= r <= 1 and (not settings or name == "question"):
+        return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
+    raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
+                     f"{', '.join(SELECT_METHODS)} and R in [0, 1], or question@R/layers=L,window=W,score=S")
+
+
+SELECTION = ("select_layers", "select_window", "select_score")  # BlockRuntime settings a variant may set
+
+
+class selection:
+    """Context manager: a variant's selection settings (`SELECTION` keys of `kw`, popped) on the block
+    runtime of `qa` for the `with` block, restored after."""
+
+    def __init__(self, qa, kw: dict):
+        self.rt = qa.engine.block_runtime
+        self.set = {k: kw.pop(k) for k in SELECTION if k in kw}
+
+    def __enter__(self):
+        self.before = {k: getattr(self.rt, k) for k in self.set}
+        for k, v in self.set.items():
+            setattr(self.rt, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.before.items():
+            setattr(self.rt, k, v)
+
+
+def answer(qa, question, passages, **kw):
+    """`qa.answer` with a variant's keywords (its selection settings on the block runtime for the call)."""
+    with selection(qa, kw):
+        return qa.answer(question, passages, **kw)
 
 
 def answer_rows(qa, records, idx, positions, variants, n_passages, max_new, seed, rows_path: Path) -> dict:
@@ -73,7 +117,7 @@ def answer_rows(qa, records, idx, positions, variants, n_passages, max_new, seed
                     kw = parse_variant(spec)
                     if kw.get("recompute_select") == "oracle":
                         kw["recompute_select"] = (pos,)
-                    ans = qa.answer(ex["question"], ex["passages"], max_new_tokens=max_new, debias="none", **kw)
+                    ans = answer(qa, ex["question"], ex["passages"], max_new_tokens=max_new, debias="none", **kw)
                     t = ans.timings
                     row = {"i": i, "gold_position": pos, "variant": spec, "prediction": ans.text,
                            "em": best_subspan_em(ans.text, ex["answers"]), "ttft_ms": t["ttft_ms"],
@@ -155,13 +199,72 @@ def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: i
                     kw["recompute_select"] = (1,)
                 if spec == "full":
                     qa.engine.clear_memo()
-                t = qa.answer(ex["question"], ps, max_new_tokens=1, debias="none", **kw).timings
+                t = answer(qa, ex["question"], ps, max_new_tokens=1, debias="none", **kw).timings
                 times[spec].append(t["ttft_ms"])
         tokens.append(t["prompt_tokens"])
     med = {v: statistics.median(x) for v, x in times.items()}
     return {"passages": n_passages, "questions": len(idx), "repeats": repeats,
             "median_prompt_tokens": statistics.median(tokens), "median_ttft_ms": med,
             "full_over_variant": {v: med["full"] / m for v, m in med.items() if v != "full"}}
+
+
+def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: int) -> dict:
+    """How close each variant's next-token distributions come to full attention's, without generating:
+    for each question of `idx` (gold at 1, 5, 10 in turn), full attention answers greedily for
+    `new_tokens` tokens; every other variant is teacher-forced on those tokens. Per variant: the mean
+    KL(full || variant) over those positions (nats) with its SE over questions, how often the two agree
+    on the most likely token, and the mean tokens recomputed. A cheap, low-variance proxy for the
+    accuracy part (paired EM needs hundreds of answers to resolve a few points)."""
+    import torch
+
+    from ldqa.app.api import Passage, _build_prompt
+    from ldqa.attention.block_attention import DEFAULT_HEADERS
+    from types import SimpleNamespace
+
+    model, tok, rt = qa.llm.model, qa.llm.tokenizer, qa.engine.block_runtime
+    chat = qa.chat_format(None)
+    per = {v: [] for v in variants if v != "full"}
+    from tqdm import tqdm
+
+    for j, i in enumerate(tqdm(idx, desc="questions", file=sys.stderr)):
+        pos = (1, 5, 10)[j % 3] if n_passages >= 10 else 1
+        ex = multidoc_example(records, i, n_passages, pos, seed)
+        ps = [Passage(p["title"], p["text"]) for p in ex["passages"]]
+        seg = _build_prompt(tok, ps, ex["question"], SimpleNamespace(instruction=None, answer_prefix=None), chat)
+        ids = seg.ids()
+        m = new_tokens
+        with torch.no_grad():
+            cache = model.new_cache(capacity=len(ids) + m + 8)
+            logits = model(torch.tensor([ids]), torch.arange(len(ids)), cache)
+            firsts, ys = [logits[0, -1]], []
+            for _ in range(m):
+                ys.append(int(logits[0, -1].argmax()))
+                logits = model(torch.tensor([[ys[-1]]]), torch.tensor([cache.length]), cache)
+                firsts.append(logits[0, -1])
+            lp_full = torch.log_softmax(torch.stack(firsts[:m]).float(), -1)  # (m, vocab)
+            for spec in per:
+                kw = parse_variant(spec)
+                mode = kw["attention"]
+                select = (pos,) if kw.get("recompute_select") == "oracle" else kw.get("recompute_select", "question")
+                with selection(qa, kw):
+                    c, last, stats = rt.prefill(seg, [None] * len(ps), mode=mode,
+                                                recompute_ratio=kw.get("recompute_ratio", 0.0),
+                                                extra_capacity=m + 8, headers=DEFAULT_HEADERS, select=select)
+                rest = model(torch.tensor([ys[:-1]]), torch.arange(c.length, c.length + m - 1), c, all_logits=True)[0]
+                lp = torch.log_softmax(torch.cat([last[0], rest]).float(), -1)
+                kl = float((lp_full.exp() * (lp_full - lp)).sum(-1).mean())
+                agree = float((lp.argmax(-1) == lp_full.argmax(-1)).float().mean())
+                per[spec].append((kl, agree, stats.tokens_recomputed, pos))
+    out = {}
+    for spec, rows in per.items():
+        kls = [r[0] for r in rows]
+        out[spec] = {"n": len(rows), "kl": statistics.fmean(kls),
+                     "kl_se": statistics.stdev(kls) / len(kls) ** 0.5 if len(kls) > 1 else 0.0,
+                     "top1_agreement": statistics.fmean(r[1] for r in rows),
+                     "kl_by_position": {p: statistics.fmean(r[0] for r in rows if r[3] == p)
+                                        for p in sorted({r[3] for r in rows})},
+                     "mean_tokens_recomputed": statistics.fmean(r[2] for r in rows)}
+    return out
 
 
 def main(argv=None) -> int:
@@ -175,9 +278,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=Path("out/bench-recompute"))
-    ap.add_argument("--part", choices=["accuracy", "ttft"], default="accuracy",
+    ap.add_argument("--part", choices=["accuracy", "ttft", "kl"], default="accuracy",
                     help="ttft: warm TTFT of each variant at --passages (gold first), --n questions x --repeats, "
-                         "at the process's torch threads")
+                         "at the process's torch threads; kl: KL(full || variant) over full attention's first "
+                         "--new-tokens answer tokens, --n questions from the end of the seeded order (none of "
+                         "the accuracy part's), gold at 1, 5, 10 in turn")
+    ap.add_argument("--new-tokens", type=int, default=8, help="kl: answer tokens teacher-forced")
     ap.add_argument("--repeats", type=int, default=3, help="ttft: runs of each variant per question")
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
@@ -199,6 +305,17 @@ def main(argv=None) -> int:
     random.Random(args.seed).shuffle(order)
     idx = order[: args.n]
     qa = LongDocQA(store=Path(tempfile.mkdtemp(prefix="kv-", dir=args.out)), model=args.model, kv_budget_mb=4096)
+    if args.part == "kl":
+        res = {"model": qa.model_name, "weights": qa.weights, "n": args.n, "new_tokens": args.new_tokens,
+               "variants": kl_part(qa, records, order[-args.n:], variants, args.passages, args.seed,
+                                   args.new_tokens)}
+        (args.out / "kl.json").write_text(json.dumps(res, indent=1))
+        print("| variant | KL(full || variant) (SE) | KL gold 1 / 5 / 10 | top-1 agreement | recomputed |\n|---|---|---|---|---|")
+        for v, r in res["variants"].items():
+            by = " / ".join(f"{x:.3f}" for x in r["kl_by_position"].values())
+            print(f"| {v} | {r['kl']:.3f} ({r['kl_se']:.3f}) | {by} | {r['top1_agreement']:.3f} | "
+                  f"{r['mean_tokens_recomputed']:.0f} |")
+        return 0
     if args.part == "ttft":
         qa.warm_up()
         res = {"model": qa.model_name, "weights": qa.weights, "threads": __import__("torch").get_num_threads(),
