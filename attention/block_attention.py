@@ -180,6 +180,7 @@ class BlockRuntime:
     select_layers: int | None = SELECT_LAYERS  # "question" selection: rank by the first this many layers
     select_window: int = SELECT_WINDOW  # "question" selection: the windows' tokens
     select_score: str = SELECT_SCORE  # "question" selection: SELECT_SCORES
+    select_skip_first: bool = False  # "question" selection: never the first passage (nearly exact as stored)
     _prefix: dict = field(default_factory=dict, repr=False)
     _headers: dict = field(default_factory=dict, repr=False)
     _anchors: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -417,7 +418,8 @@ class BlockRuntime:
         recorded at the global-attention layers (`debias.DebiasKV`); each passage slot's score is the
         attention probability the question's tokens give it (mean over those layers, heads and question
         tokens, `token_mass`; `select_score` picks another reduction); with `select_layers` set, only the
-        first that many layers run and rank. Passages are cut into windows of `window` tokens (default
+        first that many layers run and rank; with `select_skip_first`, the first passage (encoded right after
+        the shared prefix, as in the full prompt) is never chosen. Passages are cut into windows of `window` tokens (default
         `select_window`) from their start, a window's score is its slots'
         sum, and the best windows are taken until round(ratio x passage tokens) slots are chosen (the last
         window may be cut). Cost: one pass of the question over the
@@ -451,7 +453,7 @@ class BlockRuntime:
             cache.policy = None
             cache.truncate(length)
         windows = []  # (score, start, end)
-        for a, b in spans:
+        for a, b in spans[1:] if self.select_skip_first and len(spans) > 1 else spans:
             for w in range(a, b, window):
                 e = min(w + window, b)
                 windows.append((float(mass[w:e].sum()), w, e))

@@ -318,6 +318,23 @@ def test_question_selection_follows_the_question_s_attention(lm):
     assert chosen == sorted(best)
 
 
+def test_question_selection_can_leave_the_first_passage_alone(lm):
+    """select_skip_first: the same budget, none of it in the first passage; without it the first passage
+    is a candidate (here it gets some of the budget)."""
+    seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
+    rt = BlockRuntime(lm.model, "fp")
+    spans = _spans(seg)
+    slot_ids = seg.prefix + [t for h, b in zip(seg.headers, seg.passages) for t in h + b]
+    got = {}
+    for skip in (False, True):
+        rt.select_skip_first = skip
+        cache, _ = rt.assemble(seg, [None] * 3, mode="block")
+        got[skip] = rt._select_by_question(cache, slot_ids, spans, [], 0.5, seg.question, window=4)
+    a, b = spans[0]
+    assert len(got[True]) == len(got[False])
+    assert not any(a <= i < b for i in got[True]) and any(a <= i < b for i in got[False])
+
+
 def test_token_mass_reductions(lm):
     """reduce="max" is each layer's largest probability over heads and question tokens, "last" the last
     question token's mean over heads; an unknown reduction is refused by name."""

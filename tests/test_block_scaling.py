@@ -87,11 +87,11 @@ def test_bench_recompute_variants_and_paired_summary():
     assert parse_variant("question@0.2") == {"attention": "block+recompute", "recompute_select": "question",
                                              "recompute_ratio": 0.2}
     assert parse_variant("oracle")["recompute_select"] == "oracle"
-    assert parse_variant("question@0.3/layers=14,window=8,score=max") == {
+    assert parse_variant("question@0.3/layers=14,window=8,score=max,skip_first=1") == {
         "attention": "block+recompute", "recompute_select": "question", "recompute_ratio": 0.3,
-        "select_layers": 14, "select_window": 8, "select_score": "max"}
+        "select_layers": 14, "select_window": 8, "select_score": "max", "select_skip_first": True}
     for bad in ("question@2", "random@0.1", "question", "question@0.3/layers=0", "question@0.3/layers=x",
-                "question@0.3/score=median", "question@0.3/14", "lead@0.1/window=4"):
+                "question@0.3/score=median", "question@0.3/14", "question@0.3/skip_first=2", "lead@0.1/window=4"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad)
     done = {}

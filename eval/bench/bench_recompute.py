@@ -10,7 +10,8 @@ Variants (--variants, comma-separated):
                             (`block_attention.SELECT_METHODS`: question, deviation, lead)
   question@R/K=V[,K=V]      the same with the selection's settings (`BlockRuntime`): layers=L ranks by
                             the first L layers only (the selection pass stops there), window=W tokens,
-                            score=mean|max|last (`block_attention.SELECT_SCORES`)
+                            score=mean|max|last (`block_attention.SELECT_SCORES`), skip_first=1 never
+                            chooses the first passage
   oracle                    block+recompute of the gold passage whole (the answer's passage), nothing else
 Recomputing every token (e.g. question@1.0) must give full attention's answers: `same_as_full` says how
 many do. The passages' blocks are stored before a question's variants run, so every TTFT is warm. Per variant: EM by gold position, the paired difference from full (points, SE), answers that
@@ -59,6 +60,8 @@ def parse_variant(spec: str) -> dict:
                 settings["select_" + k] = int(v)
             elif k == "score" and v in SELECT_SCORES:
                 settings["select_score"] = v
+            elif k == "skip_first" and v in ("0", "1"):
+                settings["select_skip_first"] = v == "1"
             else:
                 raise ValueError
     except ValueError:
@@ -66,10 +69,10 @@ def parse_variant(spec: str) -> dict:
     if name in SELECT_METHODS and r is not None and 0 <= r <= 1 and (not settings or name == "question"):
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
-                     f"{', '.join(SELECT_METHODS)} and R in [0, 1], or question@R/layers=L,window=W,score=S")
+                     f"{', '.join(SELECT_METHODS)} and R in [0, 1], or question@R/layers=L,window=W,score=S,skip_first=0|1")
 
 
-SELECTION = ("select_layers", "select_window", "select_score")  # BlockRuntime settings a variant may set
+SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first")  # BlockRuntime settings a variant may set
 
 
 class selection:
