@@ -108,7 +108,8 @@ def main(argv=None) -> int:
     examples = [multidoc_example(records, i, 10, POSITIONS[j % 3], args.seed)
                 for j, i in enumerate(order[-args.n:])]
     args.out.mkdir(parents=True, exist_ok=True)
-    qa = LongDocQA(store=Path(tempfile.mkdtemp(prefix="kv-", dir=args.out)), model=args.model)
+    store = tempfile.TemporaryDirectory(prefix="kv-", dir=args.out)  # the passages' blocks, removed on return
+    qa = LongDocQA(store=Path(store.name), model=args.model)
     res = kl_grid(qa, examples, grid, args.new_tokens)
     rows = sorted(({"temperature": t, "scale": s, "kl": sum(k for k, _ in v) / len(v),
                     "top1_agreement": sum(a for _, a in v) / len(v)} for (t, s), v in res.items()),

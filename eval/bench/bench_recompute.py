@@ -307,7 +307,8 @@ def main(argv=None) -> int:
     order = list(range(len(records)))
     random.Random(args.seed).shuffle(order)
     idx = order[: args.n]
-    qa = LongDocQA(store=Path(tempfile.mkdtemp(prefix="kv-", dir=args.out)), model=args.model, kv_budget_mb=4096)
+    store = tempfile.TemporaryDirectory(prefix="kv-", dir=args.out)  # the passages' blocks, removed on return
+    qa = LongDocQA(store=Path(store.name), model=args.model, kv_budget_mb=4096)
     if args.part == "kl":
         res = {"model": qa.model_name, "weights": qa.weights, "n": args.n, "new_tokens": args.new_tokens,
                "variants": kl_part(qa, records, order[-args.n:], variants, args.passages, args.seed,
