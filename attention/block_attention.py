@@ -57,11 +57,12 @@ DEFAULT_HEADERS = "cached"
 DEFAULT_SELECT = "question"
 SELECT_WINDOW = 4
 # The layers whose question queries rank the tokens for "question": the first SELECT_LAYERS (None: every
-# layer); the selection pass stops there, so fewer layers cost less (`BlockRuntime.select_layers`)
+# layer; the selection pass stops there). Every layer: ranking by the first 7 or 14 of the 1.5B's 28 keeps
+# little of the recompute's gain (KL to full attention 0.11 against 0.03; docs/results.md)
 SELECT_LAYERS = None
 # How "question" scores a slot from the question's attention probabilities of each ranking layer: their
 # mean over heads and question tokens ("mean"), their maximum ("max"), or the last question token's mean
-# over heads ("last"); the layers' scores are averaged (`token_mass`)
+# over heads ("last"); the layers' scores are averaged (`token_mass`). "mean": none measured better
 SELECT_SCORES = ("mean", "max", "last")
 SELECT_SCORE = "mean"
 # Whether block modes encode a chunk of a long document after its document's anchor (its first chunk;
@@ -417,13 +418,13 @@ class BlockRuntime:
         The question (and any fresh header) is run once over the assembled block cache, its queries
         recorded at the global-attention layers (`debias.DebiasKV`); each passage slot's score is the
         attention probability the question's tokens give it (mean over those layers, heads and question
-        tokens, `token_mass`; `select_score` picks another reduction); with `select_layers` set, only the
-        first that many layers run and rank; with `select_skip_first`, the first passage (encoded right after
-        the shared prefix, as in the full prompt) is never chosen. Passages are cut into windows of `window` tokens (default
-        `select_window`) from their start, a window's score is its slots'
-        sum, and the best windows are taken until round(ratio x passage tokens) slots are chosen (the last
-        window may be cut). Cost: one pass of the question over the
-        cache, plus (question tokens x cache length) scores per global layer.
+        tokens, `token_mass`; `select_score` picks another reduction). With `select_layers` set, only the
+        first that many layers run and rank; with `select_skip_first`, the first passage (stored right
+        after the shared prefix, as in the full prompt) is never chosen. Passages are cut into windows of
+        `window` tokens (default `select_window`) from their start, a window's score is its slots' sum,
+        and the best windows are taken until round(ratio x passage tokens) slots are chosen (the last
+        window may be cut). Cost: one pass of the question over the cache, plus (question tokens x cache
+        length) scores per global layer.
         """
         from ldqa.attention.debias import DebiasKV
 
@@ -586,9 +587,10 @@ def token_mass(model, cache: KVCache, queries: dict, q_slots: torch.Tensor, leng
     """Attention probability per cache slot from recorded queries: (length,) float, the mean over the
     recorded layers, their query heads and the query tokens of softmax(q k^T * attn_scale) with causal
     masking by position (`reduce` "mean"; "max": each layer's maximum over heads and query tokens, "last":
-    the last query token's mean over heads, each averaged over the layers). queries: layer -> (hq, T, d) the queries of the tokens at cache slots q_slots
-    (T,), after RoPE (`debias.DebiasKV(n_record=T)`); the slots' keys must be in the cache (the scores
-    are against its first `length` slots). Raises ValueError when no query was recorded.
+    the last query token's mean over heads, each averaged over the layers). queries: layer -> (hq, T, d)
+    the queries of the tokens at cache slots q_slots (T,), after RoPE (`debias.DebiasKV(n_record=T)`);
+    the slots' keys must be in the cache (the scores are against its first `length` slots). Raises
+    ValueError when no query was recorded or `reduce` is not one of SELECT_SCORES.
 
     Computed with einsum, not through `kernels.dispatch`, as `debias.passage_mass` is (it needs the
     probabilities, which no dispatch kernel returns): (hq, T, length) scores per layer."""

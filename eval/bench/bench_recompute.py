@@ -218,17 +218,17 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
     KL(full || variant) over those positions (nats) with its SE over questions, how often the two agree
     on the most likely token, and the mean tokens recomputed. A cheap, low-variance proxy for the
     accuracy part (paired EM needs hundreds of answers to resolve a few points)."""
+    from types import SimpleNamespace
+
     import torch
+    from tqdm import tqdm
 
     from ldqa.app.api import Passage, _build_prompt
     from ldqa.attention.block_attention import DEFAULT_HEADERS
-    from types import SimpleNamespace
 
     model, tok, rt = qa.llm.model, qa.llm.tokenizer, qa.engine.block_runtime
     chat = qa.chat_format(None)
     per = {v: [] for v in variants if v != "full"}
-    from tqdm import tqdm
-
     for j, i in enumerate(tqdm(idx, desc="questions", file=sys.stderr)):
         pos = (1, 5, 10)[j % 3] if n_passages >= 10 else 1
         ex = multidoc_example(records, i, n_passages, pos, seed)
@@ -314,7 +314,8 @@ def main(argv=None) -> int:
                "variants": kl_part(qa, records, order[-args.n:], variants, args.passages, args.seed,
                                    args.new_tokens)}
         (args.out / "kl.json").write_text(json.dumps(res, indent=1))
-        print("| variant | KL(full || variant) (SE) | KL gold 1 / 5 / 10 | top-1 agreement | recomputed |\n|---|---|---|---|---|")
+        print("| variant | KL(full || variant) (SE) | KL gold 1 / 5 / 10 | top-1 agreement | recomputed |\n"
+              "|---|---|---|---|---|")
         for v, r in res["variants"].items():
             by = " / ".join(f"{x:.3f}" for x in r["kl_by_position"].values())
             print(f"| {v} | {r['kl']:.3f} ({r['kl_se']:.3f}) | {by} | {r['top1_agreement']:.3f} | "
