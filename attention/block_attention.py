@@ -392,12 +392,14 @@ class BlockRuntime:
         stats.assemble_ms = (time.perf_counter() - t0) * 1000
         return cache, logits, stats
 
-    def _recompute(self, cache: KVCache, slot_ids: list[int], slots: list[int]) -> torch.Tensor:
-        """Compute the tokens at cache `slots` (sorted) fresh through all layers, in place; each attends
-        to everything before it in the cache (reused and fresh alike). Returns the logits of the last
-        slot, (1, 1, vocab)."""
+    def _recompute(self, cache: KVCache, slot_ids: list[int], slots: list[int],
+                   n_layers: int | None = None) -> torch.Tensor:
+        """Compute the tokens at cache `slots` (sorted) fresh through all layers (or the first `n_layers`),
+        in place; each attends to everything before it in the cache (reused and fresh alike). Returns the
+        logits of the last slot, (1, 1, vocab) (with `n_layers`: the hidden states, see `model.forward`)."""
         s = torch.tensor(slots)
-        return self.model(torch.tensor([[slot_ids[i] for i in slots]]), cache.positions[s], cache, slots=s)
+        return self.model(torch.tensor([[slot_ids[i] for i in slots]]), cache.positions[s], cache, slots=s,
+                          n_layers=n_layers)
 
     def _choose(self, select, cache: KVCache, slot_ids, spans, fresh, ratio: float, question: list[int]) -> list[int]:
         """The passage slots block+recompute recomputes (sorted): see `SELECT_METHODS`. spans: (start, end)
@@ -443,11 +445,7 @@ class BlockRuntime:
         rec = DebiasKV(n_record=len(question), scale=self.model.cfg.attn_scale)
         cache.policy = rec
         try:
-            slots = sorted(fresh) + q_slots
-            s = torch.tensor(slots)
-            ids = slot_ids + list(question)
-            self.model(torch.tensor([[ids[i] for i in slots]]), cache.positions[s], cache, slots=s,
-                       n_layers=self.select_layers)
+            self._recompute(cache, slot_ids + list(question), sorted(fresh) + q_slots, self.select_layers)
             mass = token_mass(self.model, cache, rec.queries, torch.tensor(q_slots), cache.length,
                               self.select_score)[:length]
         finally:

@@ -38,6 +38,13 @@ def _floats(text: str, name: str) -> list[float]:
     return out
 
 
+def kl_agreement(lp_ref, lp) -> tuple[float, float]:
+    """(mean KL(ref || other) in nats, the share of positions whose most likely token agrees) of two
+    (positions, vocab) log-probability tensors."""
+    kl = float((lp_ref.exp() * (lp_ref - lp)).sum(-1).mean())
+    return kl, float((lp.argmax(-1) == lp_ref.argmax(-1)).float().mean())
+
+
 def kl_grid(qa, examples, grid, new_tokens: int) -> dict:
     """{(temperature, scale): [(KL, top-1 agreement) per example]} over `examples` (dicts of
     multidoc_example), see the module docstring."""
@@ -74,10 +81,7 @@ def kl_grid(qa, examples, grid, new_tokens: int) -> dict:
                 c.policy = ScaledKV(BlockScaling(t, s), start, end, end, model.cfg.attn_scale)
                 got = model(torch.tensor([q + ys[:-1]]), torch.arange(end, end + len(q) + m - 1), c,
                             all_logits=True)[0, -m:]
-                lp = torch.log_softmax(got.float(), -1)
-                kl = float((lp_full.exp() * (lp_full - lp)).sum(-1).mean())
-                agree = float((lp.argmax(-1) == lp_full.argmax(-1)).float().mean())
-                out[(t, s)].append((kl, agree))
+                out[(t, s)].append(kl_agreement(lp_full, torch.log_softmax(got.float(), -1)))
     return out
 
 

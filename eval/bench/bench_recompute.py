@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 import random
 import statistics
 import sys
@@ -69,28 +70,27 @@ def parse_variant(spec: str) -> dict:
     if name in SELECT_METHODS and r is not None and 0 <= r <= 1 and (not settings or name == "question"):
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
-                     f"{', '.join(SELECT_METHODS)} and R in [0, 1], or question@R/layers=L,window=W,score=S,skip_first=0|1")
+                     f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1")
 
 
-SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first")  # BlockRuntime settings a variant may set
+SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first")  # what a variant may set
 
 
-class selection:
-    """Context manager: a variant's selection settings (`SELECTION` keys of `kw`, popped) on the block
-    runtime of `qa` for the `with` block, restored after."""
-
-    def __init__(self, qa, kw: dict):
-        self.rt = qa.engine.block_runtime
-        self.set = {k: kw.pop(k) for k in SELECTION if k in kw}
-
-    def __enter__(self):
-        self.before = {k: getattr(self.rt, k) for k in self.set}
-        for k, v in self.set.items():
-            setattr(self.rt, k, v)
-
-    def __exit__(self, *exc):
-        for k, v in self.before.items():
-            setattr(self.rt, k, v)
+@contextmanager
+def selection(qa, kw: dict):
+    """A variant's selection settings (the `SELECTION` keys of `kw`, popped) on the block runtime of `qa`
+    for the `with` block, restored after."""
+    rt = qa.engine.block_runtime
+    new = {k: kw.pop(k) for k in SELECTION if k in kw}
+    before = {k: getattr(rt, k) for k in new}
+    for k, v in new.items():
+        setattr(rt, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(rt, k, v)
 
 
 def answer(qa, question, passages, **kw):
@@ -225,6 +225,7 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
 
     from ldqa.app.api import Passage, _build_prompt
     from ldqa.attention.block_attention import DEFAULT_HEADERS
+    from ldqa.eval.bench.bench_block_scaling import kl_agreement
 
     model, tok, rt = qa.llm.model, qa.llm.tokenizer, qa.engine.block_runtime
     chat = qa.chat_format(None)
@@ -255,8 +256,7 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
                                                 extra_capacity=m + 8, headers=DEFAULT_HEADERS, select=select)
                 rest = model(torch.tensor([ys[:-1]]), torch.arange(c.length, c.length + m - 1), c, all_logits=True)[0]
                 lp = torch.log_softmax(torch.cat([last[0], rest]).float(), -1)
-                kl = float((lp_full.exp() * (lp_full - lp)).sum(-1).mean())
-                agree = float((lp.argmax(-1) == lp_full.argmax(-1)).float().mean())
+                kl, agree = kl_agreement(lp_full, lp)
                 per[spec].append((kl, agree, stats.tokens_recomputed, pos))
     out = {}
     for spec, rows in per.items():
