@@ -215,11 +215,15 @@ class Engine:
         else:
             from ldqa.attention.debias import debiased_context
 
+            # block+recompute measures on the plain block cache (the question's pass its selection makes),
+            # then recomputes only the final order
+            cheap = mode == "block+recompute"
+            measured = "block" if cheap else mode
             out.context, out.passages, out.stats = debiased_context(
                 model, passages, debias, max_new,
-                measure=lambda ps: self.measure(ps, build, mode, cfg.block, max_new),
+                measure=lambda ps: self.measure(ps, build, measured, cfg.block, max_new),
                 build=lambda ps: self.build_context(ps, build, mode, cfg.block, max_new),
-                bias_curve=lambda k: self.bias_curve(k, mode, block_headers=cfg.block.headers))
+                bias_curve=lambda k: self.bias_curve(k, measured, block_headers=cfg.block.headers), rebuild=cheap)
         return out
 
     # ------------------------------------------------------------------------------ the pieces

@@ -608,7 +608,8 @@ def _attention_key(m: Mode, retrieval_config=None, recompute_select: str | None 
                    recompute_ratio: float | None = None) -> str:
     """`mode_cache_key` without the collection part; block+recompute adds its recipe,
     ``+select=NAME@RATIO`` (`recompute_select` and `recompute_ratio`, else the defaults), unless it is
-    CacheBlend's deviation at 0.15, the recipe of the keys without a suffix."""
+    CacheBlend's deviation at 0.15, the recipe of the keys without a suffix, and with a debias method
+    that measures, ``+measured=block`` (where it measures the passages' attention)."""
     if m.attention == "hf":
         return m.key
     from ldqa.attention.engine import AttentionConfig
@@ -619,7 +620,10 @@ def _attention_key(m: Mode, retrieval_config=None, recompute_select: str | None 
     if recompute_ratio is not None:
         ratio = recompute_ratio
     plain = m.attention != "block+recompute" or (select == "deviation" and ratio == 0.15)
-    return _debias_or_retrieval_key(m, cfg) + ("" if plain else f"+select={select}@{ratio:g}")
+    key = _debias_or_retrieval_key(m, cfg) + ("" if plain else f"+select={select}@{ratio:g}")
+    if m.attention == "block+recompute" and cfg.debias.method in ("calibrate", "calibrate+reorder", "sort"):
+        key += "+measured=block"  # the passages ranked on the plain block cache, then one recompute
+    return key
 
 
 def _debias_or_retrieval_key(m: Mode, cfg) -> str:

@@ -36,7 +36,8 @@ def _recipe() -> str:
 def test_mode_cache_keys_keep_their_values(mode):
     """The recorded keys; block+recompute's carry its default recipe, so answers of another recipe are
     not read as this one's."""
-    assert mode_cache_key(Mode(*mode)) == KEYS[mode] + (_recipe() if mode[0] == "block+recompute" else "")
+    measured = "+measured=block" if mode[0] == "block+recompute" and mode[1] != "none" else ""
+    assert mode_cache_key(Mode(*mode)) == KEYS[mode] + (_recipe() if mode[0] == "block+recompute" else "") + measured
 
 
 def test_a_changed_retrieval_setting_changes_the_key():
@@ -48,10 +49,12 @@ def test_a_recompute_recipe_other_than_deviation_at_0_15_changes_block_recompute
     from ldqa.eval.harness import EvalConfig
 
     cfg = EvalConfig(benchmark="nq-multidoc", data="x", recompute_select="question", recompute_ratio=0.3)
-    assert mode_cache_key(Mode("block+recompute", "sort"), cfg=cfg) == "block+recompute/sort@-+select=question@0.3"
+    assert mode_cache_key(Mode("block+recompute", "sort"), cfg=cfg) \
+        == "block+recompute/sort@-+select=question@0.3+measured=block"
     assert mode_cache_key(Mode("block+recompute", "sort"), cfg=EvalConfig(
         benchmark="nq-multidoc", data="x", recompute_select="deviation", recompute_ratio=0.15)) \
-        == KEYS[("block+recompute", "sort", None)]
+        == KEYS[("block+recompute", "sort", None)] + "+measured=block"
+    assert mode_cache_key(Mode("block+recompute"), cfg=cfg) == "block+recompute/none@-+select=question@0.3"
     assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == KEYS[("block", "none", "hybrid")]
     assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
 

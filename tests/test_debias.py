@@ -174,6 +174,25 @@ def test_debias_methods_keep_passages_and_citations(tiny_qa, method, attention):
         assert len(t["passage_weights"]) == len(PASSAGES)
 
 
+@pytest.mark.parametrize("method", ["calibrate", "calibrate+reorder", "sort"])
+def test_block_recompute_measures_on_the_block_cache(tiny_qa, method):
+    # block+recompute ranks the passages by the question's attention over the plain block cache (the pass
+    # its selection makes), so it measures what block mode measures, then recomputes the final order once
+    q = "What torque for the fan hub bolts?"
+    blk = tiny_qa.answer(q, PASSAGES, attention="block", debias=method)
+    br = tiny_qa.answer(q, PASSAGES, attention="block+recompute", debias=method)
+    assert [p.title for p in br.passages] == [p.title for p in blk.passages]
+    for key in ("passage_attention", "calibrated_relevance", "passage_weights"):
+        if key in blk.timings:
+            torch.testing.assert_close(torch.tensor(br.timings[key]), torch.tensor(blk.timings[key]),
+                                       rtol=1e-5, atol=1e-7)
+    assert br.timings["tokens_recomputed"] > 0  # the answer's context is block+recompute's
+    assert blk.timings.get("tokens_recomputed", 0) == 0
+    # the block measurements, then one block+recompute build of the final order
+    measures = 2 if method.startswith("calibrate") else blk.timings["debias_passes"]
+    assert br.timings["debias_passes"] == measures + 1
+
+
 def test_calibrate_reorder_reports_attention_in_the_final_passage_order(tiny_qa):
     q = "What torque for the fan hub bolts?"
     cal = tiny_qa.answer(q, PASSAGES, debias="calibrate").timings  # measured in the given order
