@@ -393,6 +393,14 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     reused = ctx.reused_prefill_ms
     out = DebiasStats()
     method = cfg.method
+
+    def build_final(ps):  # one more context build, counted
+        nonlocal reused, passes
+        c = build(ps)
+        reused += c.reused_prefill_ms
+        passes += 1
+        return c
+
     if method == "sort":
         for _ in range(cfg.sort_rounds):
             order = sort_order(mass)
@@ -404,9 +412,7 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
             passes += 1
         ctx.cache.policy = None
         if rebuild:
-            ctx = build(passages)
-            reused += ctx.reused_prefill_ms
-            passes += 1
+            ctx = build_final(passages)
     else:
         t_bias = time.perf_counter()
         bias = bias_curve(len(passages))
@@ -429,13 +435,9 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
             if not rebuild and order == list(range(k))[::-1] and rctx is not None:
                 ctx = rctx  # the reversed context is already built
             elif not rebuild and order != list(range(k)):
-                ctx = build(passages)
-                reused += ctx.reused_prefill_ms
-                passes += 1
+                ctx = build_final(passages)
         if rebuild:  # the measured contexts were the cheaper mode's: build the final order's
-            ctx = build(passages)
-            reused += ctx.reused_prefill_ms
-            passes += 1
+            ctx = build_final(passages)
         log_w = log_weights(rel, measured, cfg.strength, form, bias=bias)
         if bool(log_w.any()):  # all zero (strength 0, equal relevance): nothing to change, the context stands
             L = ctx.cache.length
