@@ -113,7 +113,8 @@ class Settings(_ReadByKey):
     and block_anchors (block modes), retrieval (attention="retrieval"'s `RetrievalConfig` as a dict),
     recompute_ratio and recompute_select (block+recompute); the prompt options that differ from the
     default (instruction, answer_prefix); the abstention check (abstain_below, best_dense_score,
-    abstained); attention, model, weights, kv_dtype, chat_template ("model" or "none"); the prompt
+    abstained); attention, model, weights, kv_dtype, device ("cpu", "cuda", "cuda:N": where the LLM ran),
+    chat_template ("model" or "none"); the prompt
     budget (max_new_tokens, context_length: the model's window, passages_dropped); bucket_scales
     (debias="buckets"); attention_used and fallback_reason when block reuse is off. None: does not apply
     (left out of `to_dict`, whose keys follow the field order).
@@ -135,6 +136,7 @@ class Settings(_ReadByKey):
     model: str
     weights: str
     kv_dtype: str
+    device: str = "cpu"
     chat_template: str | None = None
     retrieval: dict | None = None
     recompute_ratio: float | None = None

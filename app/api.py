@@ -61,7 +61,13 @@ class LongDocQA:
         quantization, `ldqa.attention.quant`) or "gguf" (a GGUF model's own quantized blocks); None =
         $LDQA_WEIGHTS or `loader.default_weights(model)` (gguf for a GGUF model, q8_0 for a Hugging Face
         directory, int8 where their CPU kernel cannot be built).
-    kv_dtype : "fp32" (default) or "bf16", the in-memory KV cache's dtype.
+    kv_dtype : "fp32" or "bf16", the in-memory KV cache's dtype; None = the device's default (fp32 on the
+        CPU, bf16 on CUDA).
+    device : where the LLM runs: "auto" (default: CUDA when torch sees a GPU, else the CPU), "cpu", "cuda"
+        or "cuda:N" (`ldqa.attention.device`). On CUDA the weights are bf16 (a GGUF dequantized on load;
+        fp32 allowed) and attention runs on ldqa's Triton kernels; the retriever and the KV block store
+        stay on the CPU, and a stored block is reused on either device. `Answer.settings.device` says
+        which ran.
     chat_template : "auto" (default: a model that ships a chat template, an instruct model, is prompted
         through it and its answer ends at the template's end-of-turn token; `ldqa.app.chat`) or "none"
         (every model gets the base-model prompt). `Answer.settings.chat_template` says which was used
@@ -77,24 +83,32 @@ class LongDocQA:
     ModelLoadError : the model is not found, not installed, or its file cannot be read.
     UnsupportedModelError : the model's architecture is not a supported family (the message names it and
         the supported families and weight sources).
-    WeightFormatError : an unknown weight format, float16, or one this torch build cannot run.
+    WeightFormatError : an unknown weight format, float16, one this torch build cannot run, or one the device
+        does not run (on CUDA: bf16 or fp32).
+    ValueError : an unknown device, or a CUDA device torch does not see.
     Answering raises NonFiniteLogitsError (`ldqa.attention.generate`) when the model's logits hold NaN/inf.
     """
 
     def __init__(self, store: str | Path | None = None, model: str | None = None, chunk_tokens: int = 256,
                  overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int | None = None,
-                 kv_budget_mb: int = 512, weights: str | None = None, kv_dtype: str = "fp32",
-                 chat_template: str = "auto"):
-        from ldqa.attention.loader import (DEFAULT_MODEL, check_kv_dtype, check_model_name, check_weights,
-                                           default_weights)
+                 kv_budget_mb: int = 512, weights: str | None = None, kv_dtype: str | None = None,
+                 chat_template: str = "auto", device: str = "auto"):
+        from ldqa.attention.device import check_device, check_weights_on, default_kv_dtype, resolve_device
+        from ldqa.attention.loader import (DEFAULT_MODEL, WeightFormatError, check_kv_dtype, check_model_name,
+                                           check_weights, default_weights)
         from ldqa.indexes.store import Store, default_store_dir
         from ldqa.retrieval.chunking import ChunkConfig
         from ldqa.retrieval.embedders import Embedder
 
         self.model_name = model or DEFAULT_MODEL
         check_model_name(self.model_name)  # architecture and readability now, not at the first answer
-        self.weights = check_weights(weights or default_weights(self.model_name))
-        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.device = resolve_device(check_device(device))
+        self.weights = check_weights(weights or default_weights(self.model_name, self.device))
+        try:
+            check_weights_on(self.weights, self.device)
+        except ValueError as e:
+            raise WeightFormatError(str(e)) from None
+        self.kv_dtype = check_kv_dtype(kv_dtype or default_kv_dtype(self.device))
         self.chat_template = check_chat_template(chat_template)
         self._chats: dict = {}
         self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
@@ -281,7 +295,7 @@ class LongDocQA:
         from ldqa.attention.generate import check_model_dtype
         from ldqa.attention.loader import load_model
 
-        lm = load_model(self.model_name, weights=self.weights, kv_dtype=self.kv_dtype)
+        lm = load_model(self.model_name, weights=self.weights, kv_dtype=self.kv_dtype, device=self.device)
         check_model_dtype(lm.model)
         return lm
 
@@ -490,7 +504,7 @@ class LongDocQA:
         """The Answer's stream for a resolved AttentionConfig `cfg`; `base` (top_k, retriever) and `extra`
         (prompt options, abstention): `Settings` keywords, beside the attention settings."""
         settings = Settings(**base, **cfg.settings(), **extra, attention=cfg.mode, model=self.model_name,
-                            weights=self.weights, kv_dtype=self.kv_dtype,
+                            weights=self.weights, kv_dtype=self.kv_dtype, device=self.device,
                             chat_template="model" if self.chat_format(extra.get("instruction")) else "none")
         max_new = max_new or self.max_new_tokens
         passages = self._fit_window(question, passages, max_new, settings)
@@ -509,7 +523,8 @@ class LongDocQA:
         d = given.debias
         settings = Settings(**base, debias=debias, debias_orders=d.orders, debias_calibration=d.calibration,
                             debias_strength=d.strength, block_headers=given.block.headers, **extra,
-                            attention=given.mode, model=self.model_name, weights=self.weights, kv_dtype=self.kv_dtype)
+                            attention=given.mode, model=self.model_name, weights=self.weights, kv_dtype=self.kv_dtype,
+                            device=self.device)
         timings = Timings(retrieval_ms=retrieval_ms, stop_reason=ABSTAINED, total_ms=_ms(t0))
         stream = AnswerStream(iter([ABSTAIN_PHRASE]))
         stream.answer = Answer(question, ABSTAIN_PHRASE, [], passages, timings, settings)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ldqa.app.render import answer_facts
+from ldqa.attention.device import DEVICE_HELP, device_arg
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
 
@@ -32,7 +33,9 @@ def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
                    help="the LLM's weight format (default: $LDQA_WEIGHTS, else gguf for a GGUF model (its own "
                         "blocks), q8_0 for a Hugging Face directory, int8 where their CPU kernel cannot be built; "
                         "fp32 is the reference)")
-    p.add_argument("--kv-dtype", choices=["fp32", "bf16"], default="fp32", help="in-memory KV cache dtype")
+    p.add_argument("--kv-dtype", choices=["fp32", "bf16"], default=None,
+                   help="in-memory KV cache dtype (default: fp32 on the CPU, bf16 on CUDA)")
+    p.add_argument("--device", type=device_arg, default="auto", help=f"where the LLM runs: {DEVICE_HELP}")
     p.add_argument("--chat-template", choices=["auto", "none"], default="auto",
                    help="auto (default): a model that ships a chat template (an instruct model) is prompted "
                         "through it and asked for a short answer; none: the base-model prompt for every model")
@@ -129,7 +132,7 @@ def _qa(args, **kw):
     from ldqa.app.api import LongDocQA
 
     return LongDocQA(store=args.store, model=args.model, weights=args.weights, kv_dtype=args.kv_dtype,
-                     chat_template=args.chat_template, **kw)
+                     device=args.device, chat_template=args.chat_template, **kw)
 
 
 def cmd_ingest(args) -> int:
@@ -277,7 +280,7 @@ def cmd_demo(args) -> int:
         print(f"  correct: {int(correct)}/{len(questions)} ({setting}) | {int(other_correct)}/{len(questions)} "
               f"({label})")
     print(f"\n== {int(correct)}/{len(questions)} answers contain the gold answer (best-subspan EM); "
-          f"{setting}; model {qa.model_name}, weights {qa.weights}")
+          f"{setting}; model {qa.model_name}, weights {qa.weights}, {qa.device}")
     if args.json:
         print(json.dumps(results, indent=1, default=str))
     return 0

@@ -301,14 +301,14 @@ class KVWorker:
     below `ldqa.app.api`, which imports it)."""
 
     def __init__(self, qa_class, store: str, probe_path: str, model_name: str, weights: str, kv_dtype: str,
-                 threads: int, chat_template: str = "auto"):
+                 threads: int, chat_template: str = "auto", device: str = "cpu"):
         if not reachable(probe_path):
             raise RuntimeError(f"--precompute-kv --ray: the store {store} is not visible on Ray node "
                                f"{os.uname().nodename}; put it on a filesystem every worker reaches, or "
                                "precompute without --ray")
         set_threads(threads)
         self.qa = qa_class(store=store, model=model_name, weights=weights, kv_dtype=kv_dtype,
-                           chat_template=chat_template)  # the same prompt prefix as the driver's: the same block keys
+                           chat_template=chat_template, device=device)  # the same prompt prefix as the driver's: the same block keys
 
     def encode(self, rows: list[dict]) -> int:
         """Encode and store the blocks of chunk `rows` (`LongDocQA.encode_rows`); returns how many were
@@ -325,7 +325,8 @@ def precompute_on_ray(ray, qa, rows: list[dict], workers: int | None, threads: i
     batches = [rows[i:i + 16] for i in range(0, len(rows), 16)]
     with probe(qa.store.path) as probe_path:
         pool = start_pool(ray, KVWorker, (type(qa), str(qa.store.path.resolve()), probe_path, qa.model_name,
-                                          qa.weights, qa.kv_dtype, threads, qa.chat_template), workers, threads)
+                                          qa.weights, qa.kv_dtype, threads, qa.chat_template, qa.device), workers,
+                          threads)
         computed = 0
         try:
             for i, n in pool.map_unordered(lambda actor, b: actor.encode.remote(b), batches):

@@ -255,7 +255,8 @@ class BlockRuntime:
             if hit is not None and hit.n_tokens == len(body_ids) and hit.start == len(seen):
                 stats.kv_hits += 1
                 stats.tokens_reused += len(body_ids)
-                return hit.keys.to(dtype, copy=True), hit.values.to(dtype, copy=True)  # rotation never touches the store
+                # private copies on the model's device: rotation never touches the store
+                return _to_device(hit.keys, self.model.device, dtype), _to_device(hit.values, self.model.device, dtype)
         stats.kv_misses += 1
         t0 = time.perf_counter()
         k, v = self.encode_block(prefix_ids, body_ids, anchor_ids)
@@ -362,7 +363,8 @@ class BlockRuntime:
                 reencode_keys_(self.model, hk, at - len(prefix))
                 stats.header_tokens_reused += len(header)
             else:
-                hk = hv = torch.zeros(pk.shape[0], pk.shape[1], len(header), pk.shape[3], dtype=pk.dtype)
+                hk = hv = torch.zeros(pk.shape[0], pk.shape[1], len(header), pk.shape[3], dtype=pk.dtype,
+                                      device=pk.device)
                 fresh += range(at, at + len(header))  # placeholders, computed below
             cache.extend(hk, hv, torch.arange(at, at + len(header)))
             hits = stats.kv_hits
@@ -382,7 +384,7 @@ class BlockRuntime:
             fresh = sorted(set(fresh) | set(chosen))
         if with_question:  # the question joins the same pass: placeholders at the end, computed below
             at, q = cache.length, segments.question
-            hk = torch.zeros(pk.shape[0], pk.shape[1], len(q), pk.shape[3], dtype=pk.dtype)
+            hk = torch.zeros(pk.shape[0], pk.shape[1], len(q), pk.shape[3], dtype=pk.dtype, device=pk.device)
             cache.extend(hk, hk, torch.arange(at, at + len(q)))
             fresh += range(at, at + len(q))
             slot_ids += q
@@ -440,7 +442,8 @@ class BlockRuntime:
         length = cache.length
         q_slots = list(range(length, length + len(question)))
         k0 = cache.keys(0)  # (1, kv_heads, length, head_dim)
-        zeros = torch.zeros(cache.num_layers, k0.shape[1], len(question), k0.shape[3], dtype=k0.dtype)
+        zeros = torch.zeros(cache.num_layers, k0.shape[1], len(question), k0.shape[3], dtype=k0.dtype,
+                            device=k0.device)
         cache.extend(zeros, zeros.clone(), torch.arange(length, length + len(question)))
         rec = DebiasKV(n_record=len(question), scale=self.model.cfg.attn_scale)
         cache.policy = rec
@@ -570,7 +573,7 @@ class ScaledKV:
         hkv, L = k.shape[1], k.shape[2]
         qg = q.float().reshape(b, hkv, hq // hkv, n, d)
         s = torch.einsum("bhgnd,bhld->bhgnl", qg, k.float()) * self.attn_scale  # (b, hkv, g, n, L)
-        cols = torch.zeros(L, dtype=torch.bool)
+        cols = torch.zeros(L, dtype=torch.bool, device=q.device)
         cols[self.start:min(self.end, L)] = True
         sel = rows[:, None] & cols[None, :]  # (n, L)
         t = self.scaling
@@ -582,7 +585,7 @@ class ScaledKV:
 
 def token_mass(model, cache: KVCache, queries: dict, q_slots: torch.Tensor, length: int,
                reduce: str = "mean") -> torch.Tensor:
-    """Attention probability per cache slot from recorded queries: (length,) float, the mean over the
+    """Attention probability per cache slot from recorded queries: (length,) float on the CPU, the mean over the
     recorded layers, their query heads and the query tokens of softmax(q k^T * attn_scale) with causal
     masking by position (`reduce` "mean"; "max": each layer's maximum over heads and query tokens, "last":
     the last query token's mean over heads, each averaged over the layers). queries: layer -> (hq, T, d)
@@ -598,7 +601,7 @@ def token_mass(model, cache: KVCache, queries: dict, q_slots: torch.Tensor, leng
         raise ValueError(f"token_mass: reduce must be one of {', '.join(SELECT_SCORES)}, got {reduce!r}")
     pos = cache.positions[:length]
     causal = pos[None, :] <= pos[q_slots][:, None]  # (T, L)
-    total = torch.zeros(length)
+    total = torch.zeros(length, device=pos.device)
     for layer, q in queries.items():
         keys = cache.keys(layer)[0, :, :length].float()  # (hkv, L, d)
         hkv, _, d = keys.shape
@@ -607,7 +610,16 @@ def token_mass(model, cache: KVCache, queries: dict, q_slots: torch.Tensor, leng
         p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)  # (hkv, g, T, L)
         total += (p.mean(dim=(0, 1, 2)) if reduce == "mean" else p.amax(dim=(0, 1, 2)) if reduce == "max"
                   else p[:, :, -1].mean(dim=(0, 1)))
-    return total / len(queries)
+    return (total / len(queries)).cpu()
+
+
+def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A private copy of a stored block's tensor `t` (on the CPU) in `dtype` on `device`: on CUDA through
+    pinned host memory and a copy that does not block the host, so reading the next block from the store
+    overlaps it (the kernels that use it run after it, in the same stream)."""
+    if device.type == "cpu":
+        return t.to(dtype, copy=True)
+    return t.pin_memory().to(device, dtype, non_blocking=True)
 
 
 def _finite(*tensors: torch.Tensor) -> bool:

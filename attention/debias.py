@@ -248,11 +248,11 @@ class DebiasKV:
         if self.log_w is None:
             return None
         L = k.shape[2]
-        bias = torch.zeros(L)
+        bias = torch.zeros(L, device=k.device)
         n = min(L, self.log_w.shape[0])
         bias[:n] = self.log_w[:n]
         mask = k_pos[None, :] <= q_pos[:, None]  # (n, L) causal by position
-        add = torch.where(mask, bias[None, :], torch.tensor(float("-inf")))  # (n, L)
+        add = torch.where(mask, bias[None, :], float("-inf"))  # (n, L)
         b, hq, nq, d = q.shape
         hkv = k.shape[1]
         qg = q.float().reshape(b, hkv, hq // hkv, nq, d)  # (b, hkv, g, n, d)
@@ -264,7 +264,8 @@ class DebiasKV:
 
 def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor) -> torch.Tensor:
     """Attention mass from the question to each passage: (k,) float, mean over global layers, heads and
-    question tokens. queries: layer -> (hq, T, d) recorded question queries at cache slots q_slots (T,).
+    question tokens, on the CPU. queries: layer -> (hq, T, d) recorded question queries at cache slots
+    q_slots (T,).
 
     Computed with its own einsum, not through `kernels.dispatch` (the documented exception, as for
     `DebiasKV`): it needs the attention probabilities themselves, summed per passage span, which no
@@ -281,7 +282,7 @@ def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor) -> t
         causal = pos[None, :L] <= pos[q_slots][:, None]  # (T, L)
         p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).mean(dim=(0, 1, 2))  # (L,)
         masses.append(torch.stack([p[a:b].sum() for a, b in spans]))
-    return torch.stack(masses).mean(0)
+    return torch.stack(masses).mean(0).cpu()  # on the CPU, with the bias curves it is compared with
 
 
 def calibrated_relevance(mass: torch.Tensor, bias: torch.Tensor, form: str = "difference") -> torch.Tensor:

@@ -130,7 +130,7 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
     the first index on ties as torch.argmax), else top-p sampling."""
     if cfg.temperature == 0:
         return cpu_linear.argmax(logits)
-    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    probs = torch.softmax(logits.float().cpu() / cfg.temperature, dim=-1)  # drawn on the CPU: `gen` is a CPU generator
     if cfg.top_p < 1.0:
         p_sorted, idx = torch.sort(probs, descending=True)
         keep = torch.cumsum(p_sorted, 0) - p_sorted < cfg.top_p  # always keeps the top token

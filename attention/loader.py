@@ -20,6 +20,7 @@ import torch
 from ldqa.attention.cache_dir import cache_root  # noqa: F401  (re-exported: callers read loader.cache_root)
 from ldqa.attention.config import ModelConfig
 from ldqa.attention.decode_runner import choose_runner
+from ldqa.attention.device import DEVICE_WEIGHTS, check_weights_on, device_kind, resolve_device
 from ldqa.attention.model import Transformer
 from ldqa.attention.memory import retain_freed_memory
 from ldqa.attention.model_packages import PACKAGED_MODELS
@@ -53,7 +54,7 @@ class LoadedModel:
     """A ready model: `model` (ldqa Transformer, eval mode), `tokenizer`, `name`, `fingerprint` (sha256
     of the weights' source, and of the weight format unless fp32; it keys KV blocks), `source` (the .gguf
     file or HF directory), `hf_dir` (config.json and tokenizer files), `weights` (format), `group_size`
-    (int4's input channels per scale) and `kv_dtype` ("fp32" or "bf16")."""
+    (int4's input channels per scale), `kv_dtype` ("fp32" or "bf16") and `device` ("cpu", "cuda", "cuda:N")."""
 
     name: str
     model: Transformer
@@ -64,6 +65,7 @@ class LoadedModel:
     weights: str = "fp32"
     group_size: int = DEFAULT_GROUP_SIZE
     kv_dtype: str = "fp32"
+    device: str = "cpu"
 
     @property
     def config(self) -> ModelConfig:
@@ -96,11 +98,12 @@ def check_weights(weights: str, group_size: int = DEFAULT_GROUP_SIZE) -> str:
     return check_format(weights, group_size)
 
 
-def default_weights(name: str | None = None) -> str:
+def default_weights(name: str | None = None, device: str = "cpu") -> str:
     """The weight format model `name` (default: DEFAULT_MODEL) gets when none is asked for: $LDQA_WEIGHTS,
-    else DEFAULT_WEIGHTS (gguf) for a GGUF model and DEFAULT_WEIGHTS_HF (q8_0) for a Hugging Face directory,
-    or FALLBACK_WEIGHTS (int8) where their C kernel cannot be built on this machine (no C compiler, not
-    x86-64 with AVX2; logged once with the reason) — they would then run on the slow torch reference.
+    else on CUDA (`device`, resolved) bf16 (`device.DEVICE_WEIGHTS`), on the CPU DEFAULT_WEIGHTS (gguf) for
+    a GGUF model and DEFAULT_WEIGHTS_HF (q8_0) for a Hugging Face directory, or FALLBACK_WEIGHTS (int8)
+    where their C kernel cannot be built on this machine (no C compiler, not x86-64 with AVX2; logged once
+    with the reason) — they would then run on the slow torch reference.
     Raises WeightFormatError naming the variable when it holds no format name."""
     env = os.environ.get("LDQA_WEIGHTS")
     if env and env not in WEIGHT_FORMATS:
@@ -109,6 +112,8 @@ def default_weights(name: str | None = None) -> str:
                                 f"{', '.join(WEIGHT_FORMATS)} or unset it")
     if env:
         return env
+    if device_kind(device) in DEVICE_WEIGHTS:
+        return DEVICE_WEIGHTS[device_kind(device)][0]
     name = name or DEFAULT_MODEL
     weights = DEFAULT_WEIGHTS if name in PACKAGED_MODELS or str(name).endswith(".gguf") else DEFAULT_WEIGHTS_HF
     if not cpu_linear.available():
@@ -118,29 +123,37 @@ def default_weights(name: str | None = None) -> str:
 
 
 def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int = DEFAULT_GROUP_SIZE,
-               kv_dtype: str = "fp32") -> LoadedModel:
+               kv_dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
     """Load (once per process) a packaged model name, a .gguf path or a HF model directory.
 
     weights: one of `quant.WEIGHT_FORMATS` (fp32, the reference and this function's default; bf16; int8;
     int4 with `group_size` input channels per scale). The application picks its own default
-    (`default_weights()`). kv_dtype: "fp32" or "bf16", the dtype of the in-memory KV cache.
+    (`default_weights()`). kv_dtype: "fp32" or "bf16", the dtype of the in-memory KV cache. device: "cpu",
+    "cuda" or "cuda:N" (`device.resolve_device` resolves "auto"): the weights are read on the CPU, then
+    moved to the device, where they take only the formats it runs (`device.check_weights_on`: bf16 or fp32
+    on CUDA); the KV caches the model makes are on the device too.
     Raises ModelLoadError (missing package/file, unreadable weights), UnsupportedModelError (architecture
     or RoPE variant not implemented; the message names it and the supported ones; checked from the
     file's metadata before any conversion), WeightFormatError (unknown format, float16, or one this torch
-    build cannot run).
+    build cannot run), ValueError (a device torch does not see, or a format it does not run).
     """
     check_weights(weights, group_size)
     check_kv_dtype(kv_dtype)
+    device = resolve_device(device)
+    try:
+        check_weights_on(weights, device)
+    except ValueError as e:
+        raise WeightFormatError(str(e)) from None
     retain_freed_memory()  # a prefill's buffers are reused, not faulted in again (attention/memory.py)
     gs = group_size if weights == "int4" else DEFAULT_GROUP_SIZE
-    key = (name, weights, gs, kv_dtype)
+    key = (name, weights, gs, kv_dtype, device)
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = _load(name, weights, gs, kv_dtype)
+            _LOADED[key] = _load(name, weights, gs, kv_dtype, device)
         return _LOADED[key]
 
 
-def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedModel:
+def _load(name: str, weights: str, group_size: int, kv_dtype: str, device: str = "cpu") -> LoadedModel:
     src = _source(name)
     if weights == "gguf" and src.kind != "gguf":
         raise WeightFormatError(f"weights='gguf' keeps a GGUF file's own quantized blocks, and {name} is a "
@@ -150,13 +163,16 @@ def _load(name: str, weights: str, group_size: int, kv_dtype: str) -> LoadedMode
     else:
         path = _ensure_weights(src, weights, group_size)
         model = _build_model(src.cfg, _read_cache(path), path)
+    if device != "cpu":
+        model.to(device)  # bf16 or fp32 weights (`check_weights_on`); norms and biases stay fp32
     model.kv_dtype = KV_DTYPES[kv_dtype]
     model.weight_format = weights
     model.decoder = choose_runner(model)  # q8_0 and gguf weights decode in C; prefill runs the modules
     model.model_name = name  # error messages of the runtime (generate.NonFiniteLogitsError) name it
     tok = Tokenizer(_auto_tokenizer(src.meta_dir), src.cfg.eos_token_ids)
     fp = weights_fingerprint(src.fingerprint, weights, group_size)
-    return LoadedModel(name, model, tok, fp, str(src.path), str(src.meta_dir), weights, group_size, kv_dtype)
+    return LoadedModel(name, model, tok, fp, str(src.path), str(src.meta_dir), weights, group_size, kv_dtype,
+                       device)
 
 
 def _auto_tokenizer(d: Path):

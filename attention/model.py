@@ -86,6 +86,16 @@ def _ascending(pos: torch.Tensor) -> bool:
     return pos.numel() < 2 or bool((pos[1:] > pos[:-1]).all())
 
 
+def _plain_prompt(q_pos: torch.Tensor, k_pos: torch.Tensor, masks: dict) -> bool:
+    """Whether the queries are the keys at ascending positions 0.., a prompt into an empty cache (the
+    kernels' default positions then say the same as these): decided once per forward pass (`masks`)."""
+    if "plain_prompt" not in masks:
+        n = q_pos.shape[0]
+        masks["plain_prompt"] = (q_pos.shape == k_pos.shape and int(q_pos[0]) == 0 and int(q_pos[-1]) == n - 1
+                                 and _ascending(q_pos) and torch.equal(q_pos, k_pos))  # = arange(n)
+    return masks["plain_prompt"]
+
+
 def window_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, max_queries: int = 512) -> list:
     """Query groups of `windowed_attention`: (q_start, q_end, k_lo, k_hi, mask or None) per group.
 
@@ -169,11 +179,12 @@ class Attention(nn.Module):
         else:
             k_pos = positions
         kind = self.cfg.layer_types[self.layer]
-        if k.dtype != q.dtype and not (kind == "sliding" and q.shape[2] <= 16):
+        policy = getattr(cache, "policy", None)
+        kernels = dispatch.backend_for(q) == "triton"  # the Triton kernels read a bf16 cache as it is
+        if k.dtype != q.dtype and (policy is not None or not kernels) and not (kind == "sliding" and q.shape[2] <= 16):
             # a bf16 KV cache: attention is computed in the query's dtype (fp32); sliding decode below
             # casts only the window it reads
             k, v = k.to(q.dtype), v.to(q.dtype)
-        policy = getattr(cache, "policy", None)
         if policy is not None and kind == "full":  # a per-sequence hook of the global layers
             # (RetrievalKV: retrieval attention; DebiasKV: position debiasing); None = normal attention
             out = policy.forward(self.layer, q, k, v, positions, k_pos, slots)  # (b, h, n, d) or None
@@ -187,6 +198,8 @@ class Attention(nn.Module):
                 lo = int(torch.searchsorted(k_pos, positions.min() - self.cfg.sliding_window + 1))
                 m = attention_mask(positions, k_pos[lo:], self.cfg.sliding_window)
                 masks["sliding_decode"] = (lo, None if bool(m.all()) else m)
+        if kernels:
+            return self._attend_kernels(q, k, v, positions, k_pos, kind, slots, masks)
         if kind == "sliding" and q.shape[2] <= 16 and masks["sliding_decode"] is not None:
             lo, m = masks["sliding_decode"]
             k, v = k[:, :, lo:], v[:, :, lo:]
@@ -214,6 +227,36 @@ class Attention(nn.Module):
         if isinstance(masks[kind], str):
             return dispatch.attention(q, k, v, scale=self.cfg.attn_scale, causal=True)  # (b, h, n, d)
         return dispatch.attention(q, k, v, mask=masks[kind], scale=self.cfg.attn_scale)  # (b, h, n, d)
+
+
+    def _attend_kernels(self, q, k, v, positions, k_pos, kind: str, slots, masks: dict) -> torch.Tensor:
+        """`attend` through the Triton kernels (CUDA tensors; on the CPU with LDQA_KERNELS=triton under
+        TRITON_INTERPRET=1): the cache's dtype as it is (q rounded to it: a bf16 cache is read as bf16),
+        the output in q's dtype. The rule is `attention_mask`'s (causal by position, the sliding window),
+        given to the kernels as positions rather than a mask: one appended token (decode) reads the whole
+        cache split-KV (Flash-Decoding; generation appends at the next position, after every cached key)
+        or, on a sliding layer, the keys of its window (`masks["sliding_decode"]`); a prompt appended to an
+        empty cache is the causal prefill; anything else (tokens recomputed in place, a prompt after
+        reused blocks) runs the prefill kernel with explicit positions. Same shapes as `attend`."""
+        dtype, scale = q.dtype, self.cfg.attn_scale
+        if k.dtype != dtype:
+            q = q.to(k.dtype)
+        window = self.cfg.sliding_window if kind == "sliding" else None
+        n, L = q.shape[2], k.shape[2]
+        plan = masks.get("sliding_decode") if window is not None and n <= 16 else None
+        if plan is not None:  # a sliding layer's decode: the keys of the window
+            lo, m = plan
+            k, v, k_pos = k[:, :, lo:], v[:, :, lo:], k_pos[lo:]
+            if n == 1 and m is None and slots is None:
+                return dispatch.decode_attention(q, k, v, scale=scale, causal=False)[0].to(dtype)
+        if n == 1 and window is None and slots is None:
+            out = dispatch.decode_attention(q, k, v, scale=scale, causal=False)[0]
+        elif n == L and slots is None and _plain_prompt(positions, k_pos, masks):
+            out = dispatch.prefill_attention(q, k, v, scale=scale, causal=True, window=window)[0]
+        else:
+            out = dispatch.prefill_attention(q, k, v, scale=scale, causal=True, window=window, q_pos=positions,
+                                             k_pos=k_pos)[0]
+        return out.to(dtype)
 
 
 # prefill rows per chunk of the MLP (`MLP.forward`): a chunk's (rows, intermediate) fp32 activations, 9 MB
@@ -247,7 +290,7 @@ class MLP(nn.Module):
         if any(w is None for w in ws):
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         x2 = x.reshape(rows, x.shape[-1])
-        out = torch.empty(rows, self.down_proj.out_features, dtype=x.dtype)
+        out = torch.empty(rows, self.down_proj.out_features, dtype=x.dtype, device=x.device)
         for a in range(0, rows, MLP_CHUNK_ROWS):
             xc = x2[a:a + MLP_CHUNK_ROWS]
             h = self.act(self.gate_proj.apply_prefill(xc, ws[0])) * self.up_proj.apply_prefill(xc, ws[1])
@@ -307,20 +350,27 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._freqs = {}  # (theta, scaling) -> inv_freq float64
+        self._freqs = {}  # (theta, scaling, device) -> inv_freq float64
         self.kv_dtype = torch.float32  # dtype of new KV caches (the loader sets it: fp32 or bf16)
         self.weight_format = "fp32"  # set by the loader (quant.WEIGHT_FORMATS)
         self.decoder: DecodeRunner = TorchLayers()  # the loader sets it (decode_runner.choose_runner)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (the loader's `device`); new KV caches and the RoPE tables are made here."""
+        return self.model.norm.weight.device
+
     def freqs_for(self, layer: int, theta_scale: float = 1.0) -> torch.Tensor:
-        """RoPE inverse frequencies (head_dim/2,) float64 of `layer`; `theta_scale` multiplies the RoPE
-        base of global-attention ("full") layers only (Attention Buckets; sliding layers keep theirs)."""
+        """RoPE inverse frequencies (head_dim/2,) float64 of `layer`, on the model's device; `theta_scale`
+        multiplies the RoPE base of global-attention ("full") layers only (Attention Buckets; sliding layers
+        keep theirs)."""
         theta, scaling = self.cfg.theta_for(layer), self.cfg.scaling_for(layer)
         if theta_scale != 1.0 and self.cfg.layer_types[layer] == "full":
             theta = theta * theta_scale
-        key = (theta, repr(scaling))
+        device = self.device
+        key = (theta, repr(scaling), device)
         if key not in self._freqs:
-            self._freqs[key] = inv_freq(self.cfg.head_dim, theta, scaling)
+            self._freqs[key] = inv_freq(self.cfg.head_dim, theta, scaling).to(device)
         return self._freqs[key]
 
     def rope_tables(self, positions: torch.Tensor, theta_scale: float, dtype: torch.dtype, layers: range) -> list:
@@ -340,13 +390,13 @@ class Transformer(nn.Module):
         it, at absolute `positions` (n,): (1, kv_heads, n, head_dim), RoPE applied with the layer's own
         base (CacheBlend compares them with cached keys, `block_attention.BlockRuntime._select`)."""
         block = self.model.layers[layer]
-        cos, sin = rope_cos_sin(positions, self.freqs_for(layer), hidden.dtype)
+        cos, sin = rope_cos_sin(positions.to(hidden.device), self.freqs_for(layer), hidden.dtype)
         return block.self_attn.project(block.input_layernorm(hidden), cos, sin)[1]
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         """An empty KV cache for `batch` sequences in `kv_dtype`, on the model's device."""
         return KVCache(self.cfg.num_layers, batch, self.cfg.num_kv_heads, self.cfg.head_dim,
-                       dtype=self.kv_dtype, device=self.model.norm.weight.device, capacity=capacity)
+                       dtype=self.kv_dtype, device=self.device, capacity=capacity)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)
@@ -365,7 +415,12 @@ class Transformer(nn.Module):
         yet counted in its length). start: (layer j, hidden states (b, n, hidden) entering layer j) resumes
         such a pass at layer j: layers below j are skipped and must already hold these tokens' K/V (and
         positions) in `cache`'s next slots, as `n_layers=j` leaves them. A pass split this way is the same
-        computation, bit for bit, as one pass. Raises ValueError for a `start` layer out of range."""
+        computation, bit for bit, as one pass. Raises ValueError for a `start` layer out of range.
+        tokens, positions and slots may be on the CPU: they are moved to the model's device."""
+        device = self.device
+        if device.type != "cpu":  # the callers build ids, positions and slots on the CPU
+            tokens, positions = tokens.to(device), positions.to(device)
+            slots = slots.to(device) if slots is not None else None
         if slots is None and n_layers is None and start is None:  # a whole pass appending `tokens`
             logits = self.decoder.step(self, tokens, positions, cache)  # one C call where the runner can
             if logits is not None:

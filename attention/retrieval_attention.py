@@ -179,26 +179,28 @@ class RetrievalKV:
         if st.index is None:
             self.stats.dense_steps += 1
             return dispatch.decode_attention(q, k, v, scale=self.scale)[0]
-        none = torch.full((1, hkv, 1), -1, dtype=torch.long)
+        none = torch.full((1, hkv, 1), -1, dtype=torch.long, device=q.device)
         steady = dispatch.decode_attention(q, k, v, indices=none, sink=self.cfg.sink, window=L - st.end,
                                            scale=self.scale)
         n_static = min(self.cfg.sink, st.end) + (L - st.end)
         if self.cfg.top_k_keys is None:  # every indexed key: exact, through the same merge
-            idx = torch.arange(self.cfg.sink, st.end).expand(1, hkv, -1)
+            idx = torch.arange(self.cfg.sink, st.end, device=q.device).expand(1, hkv, -1)
             touched, found = st.end - self.cfg.sink, st.end - self.cfg.sink
         else:
             prior = None
             if self.cfg.follow and st.prev is not None:
                 prior = torch.cat([st.prev, torch.where(st.prev >= 0, st.prev + 1, st.prev)], dim=1)
-            res = st.index.search(q[0, :, 0], self.cfg.top_k_keys, prior)
-            idx = res.slots[None]  # (1, hkv, k)
+            res = st.index.search(q[0, :, 0].cpu(), self.cfg.top_k_keys, prior)  # the index is on the CPU
+            idx = res.slots[None].to(q.device)  # (1, hkv, k)
             st.prev = res.slots[:, : self.cfg.follow] if self.cfg.follow else None
             touched, found = res.scanned / hkv, int((res.slots >= 0).sum()) / hkv
         retrieved = dispatch.decode_attention(q, k, v, indices=idx, scale=self.scale)
         out, lse = dispatch.merge_lse(*steady, *retrieved)
         if self.cfg.estimate and self.cfg.top_k_keys is not None and st.index.can_estimate:
-            est_out, est_lse, est_touched = st.index.estimate(q[0, :, 0], idx[0], v[0], res.centroid_scores)
-            out, _ = dispatch.merge_lse(out, lse, est_out.to(out.dtype).view_as(out), est_lse.view_as(lse))
+            est_out, est_lse, est_touched = st.index.estimate(q[0, :, 0].cpu(), idx[0].cpu(), v[0].cpu(),
+                                                              res.centroid_scores)
+            out, _ = dispatch.merge_lse(out, lse, est_out.to(out.device, out.dtype).view_as(out),
+                                        est_lse.to(lse.device).view_as(lse))
             touched += est_touched / hkv
         s = self.stats
         s.steps += 1
@@ -226,8 +228,10 @@ class RetrievalKV:
             if icfg.kind == "aware" and queries is None:  # no prefill seen (e.g. cache filled by extend)
                 icfg.kind = "keys"
                 self.stats.index_kind = "keys (no prefill queries)"
-            values = v[0, :, self.cfg.sink:end] if self.cfg.estimate else None
-            st.index = KeyIndex(k[0, :, self.cfg.sink:end], self.cfg.sink, icfg, self.scale, queries, values)
+            # the index lives on the CPU (faiss k-means, its scans); on CUDA its searches move one query
+            values = v[0, :, self.cfg.sink:end].cpu() if self.cfg.estimate else None
+            queries = queries.cpu() if queries is not None else None
+            st.index = KeyIndex(k[0, :, self.cfg.sink:end].cpu(), self.cfg.sink, icfg, self.scale, queries, values)
         else:
             st.index = True  # marker: exact path needs no structure
         self.stats.builds += 1

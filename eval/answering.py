@@ -298,7 +298,7 @@ def open_collection(qa, context_sha256: str, max_new: int, cfg: EvalConfig | Non
         raise ContextIndexError(f"{doc}: the record's context was not written (the jsonl builder writes it)")
     root = doc.parent.parent
     item = LongDocQA(store=root / "store", model=qa.model_name, weights=qa.weights, kv_dtype=qa.kv_dtype,
-                     chat_template=qa.chat_template, max_new_tokens=max_new, chunk_tokens=st["chunk_tokens"], overlap_tokens=st["overlap_tokens"])
+                     device=qa.device, chat_template=qa.chat_template, max_new_tokens=max_new, chunk_tokens=st["chunk_tokens"], overlap_tokens=st["overlap_tokens"])
     report = item.ingest([doc])
     f = report.files[0]
     if f.status == "error":

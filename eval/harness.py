@@ -86,6 +86,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ldqa.app import options
+from ldqa.attention.device import DEVICE_HELP, device_arg
 from ldqa.eval.answering import RANK_KS, HFReference, answer_one, collection_settings, retrieve_for, write_context
 
 BENCHMARKS = ("nq-multidoc", "kv-retrieval", "niah", "retrieval", "jsonl")
@@ -145,6 +146,8 @@ class EvalConfig:
         None = the defaults.
     block_anchors : block modes encode a chunk of a long document after its document's first chunk
         (jsonl with a retriever: the chunks of a record's collection).
+    device : where the LLM runs (`LongDocQA`'s `device`); off the CPU, the device and the KV cache dtype
+        are part of `settings_hash`.
     """
 
     benchmark: str
@@ -178,6 +181,7 @@ class EvalConfig:
     overlap_tokens: int | None = None
     abstain_below: float | None = None
     chat_template: str = "auto"
+    device: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -566,10 +570,12 @@ class PredictionCache:
         self.db.close()
 
 
-def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int, chat=None) -> str:
+def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int, chat=None, device: str = "cpu",
+                  kv_dtype: str = "fp32") -> str:
     """Hash of everything besides the mode and example id that changes a prediction (data, model,
     seed, lengths of answers and contexts, the chat template's text when the model is prompted through
-    one: `chat`, a `ChatFormat`); --limit, --modes and the position lists are left out."""
+    one: `chat`, a `ChatFormat`; the resolved `device` and `kv_dtype` unless cpu and fp32); --limit,
+    --modes and the position lists are left out."""
     data = Path(cfg.data).resolve()
     size = data.stat().st_size if data.is_file() else sorted((p.name, p.stat().st_size) for p in data.glob("*.txt"))
     niah = Path(cfg.niah_config).read_text() if cfg.niah_config else ""
@@ -581,6 +587,8 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int, chat=None) ->
         key.append(["max_length", cfg.max_length])
     if chat is not None:  # base-model prompts keep their hashes
         key.append(["chat", chat.opening + chat.lead, chat.closing, list(chat.stop_ids), list(chat.stop_strings)])
+    if device != "cpu" or kv_dtype != "fp32":  # (the CPU's fp32 cache keeps the hashes of runs before devices)
+        key.append(["device", device.split(":")[0], kv_dtype])
     return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
 
 
@@ -665,8 +673,8 @@ def run(cfg: EvalConfig) -> dict:
     else:
         store = out / "store"
     qa = LongDocQA(store=store, model=cfg.model, max_new_tokens=max_new, weights=cfg.weights,
-                   chat_template=cfg.chat_template)
-    config = settings_hash(cfg, qa.llm.fingerprint, max_new, qa.chat_format())
+                   chat_template=cfg.chat_template, device=cfg.device)
+    config = settings_hash(cfg, qa.llm.fingerprint, max_new, qa.chat_format(), qa.device, qa.kv_dtype)
     examples = BUILDERS[cfg.benchmark](cfg, qa)
     cache = PredictionCache(out / "predictions.sqlite")
     rows: dict[tuple, dict] = {}
@@ -711,6 +719,7 @@ def run(cfg: EvalConfig) -> dict:
     scored = [r for r in ordered if not r.get("error")]
     result = {"benchmark": cfg.benchmark, "metric": METRIC[cfg.benchmark], "model": qa.model_name,
               "settings": asdict(cfg) | {"max_new_tokens": max_new, "settings_hash": config, "weights": qa.weights,
+                                         "device": qa.device, "kv_dtype": qa.kv_dtype,
                                          "chat_template": "model" if qa.chat_format() else "none"},
               "modes": [summarize([r for r in scored if r["mode"] == m.label], cfg.benchmark)
                         | {"mode": m.label, "errors": sum(r["mode"] == m.label for r in errors)} for m in modes],
@@ -905,6 +914,7 @@ def add_arguments(p) -> None:
     p.add_argument("--chat-template", choices=["auto", "none"], default="auto",
                    help="auto (default): a model with a chat template (an instruct model) is prompted through it; "
                         "none: the base-model prompt for every model")
+    p.add_argument("--device", type=device_arg, default="auto", help=f"where the LLM runs: {DEVICE_HELP}")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap (default: per benchmark)")
     p.add_argument("--n-passages", type=int, default=10, help="nq-multidoc: passages per question")
     p.add_argument("--gold-positions", default="default",

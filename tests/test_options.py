@@ -19,7 +19,7 @@ from ldqa.app.options import AnswerOptions, bounds, default, knob, option_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 # flags of `ldqa ask` / `ldqa demo` that are not answering options (the model, the store, the output)
-NOT_ANSWERING = {"help", "store", "model", "weights", "kv_dtype", "chat_template", "question", "question_file",
+NOT_ANSWERING = {"help", "store", "model", "weights", "kv_dtype", "device", "chat_template", "question", "question_file",
                  "save_settings", "json", "no_compare"}
 
 
