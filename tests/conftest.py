@@ -79,6 +79,35 @@ def tiny_model_dir(tmp_path_factory, small_tokenizer):
     return make
 
 
+@pytest.fixture(scope="session")
+def byte_model_dir(tmp_path_factory):
+    """factory(family) -> a tiny random-weight model directory (as `tiny_model_dir`) with a byte-level
+    tokenizer made in code instead of SmolLM2's: needs no packaged model (the GPU machine has none)."""
+    import torch
+
+    from ldqa.eval.bench.gpu_check import byte_tokenizer
+
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            torch.manual_seed(0)
+            tok = byte_tokenizer()
+            cfg, cls = _hf_config(family, len(tok))
+            model = cls(cfg).eval()
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.normal_(0.0, 0.3)
+            d = tmp_path_factory.mktemp(f"byte-{family}")
+            model.save_pretrained(d)
+            tok.save_pretrained(d)
+            made[family] = d
+        return made[family]
+
+    return make
+
+
 def _drop_chat_template(d: Path) -> None:
     """Remove the chat template from a saved tokenizer (SmolLM2-Instruct's tokenizer ships ChatML)."""
     import json
