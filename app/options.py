@@ -86,6 +86,32 @@ class Knob:
         return s
 
 
+def add_model_arguments(p: argparse.ArgumentParser, weights_note: str = "") -> None:
+    """The flags that choose the LLM and where and how it runs (`LongDocQA`'s model, weights, kv_dtype,
+    device and chat_template; `ldqa eval`'s too), their names and choices from the attention layer's
+    torch-free constants. `weights_note`: a sentence appended to --weights' help."""
+    from ldqa.app.chat import CHAT_TEMPLATE_MODES
+    from ldqa.attention.choices import KV_DTYPES, WEIGHT_FORMATS
+    from ldqa.attention.device import DEVICE_HELP, device_arg
+    from ldqa.attention.model_packages import DEFAULT_MODEL, PACKAGED_MODELS
+
+    others = ", ".join(m for m in PACKAGED_MODELS if m != DEFAULT_MODEL)
+    p.add_argument("--model", default=None,
+                   help=f"{DEFAULT_MODEL} (default), {others} (the Qwen models: extra ldqa[qwen]), or a .gguf "
+                        "file or Hugging Face model directory (config.json + *.safetensors) of a Llama, Qwen2/2.5, "
+                        "Qwen3 or Gemma 3 model")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                   help="the LLM's weight format (default: $LDQA_WEIGHTS, else on the CPU gguf for a GGUF model (its "
+                        "own blocks), q8_0 for a Hugging Face directory, int8 where their CPU kernel cannot be built; "
+                        "bf16 on CUDA; fp32 is the reference)" + (" " + weights_note if weights_note else ""))
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="in-memory KV cache dtype (default: fp32 on the CPU, bf16 on CUDA)")
+    p.add_argument("--device", type=device_arg, default="auto", help=f"where the LLM runs: {DEVICE_HELP}")
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default=CHAT_TEMPLATE_MODES[0],
+                   help="auto (default): a model that ships a chat template (an instruct model) is prompted "
+                        "through it and asked for a short answer; none: the base-model prompt for every model")
+
+
 def _opt(default, help: str, type: type = str, **kw) -> Field:
     """A field of `AnswerOptions`: `default` and its `Knob` (None defaults are optional)."""
     kw.setdefault("optional", default is None)

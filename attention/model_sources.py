@@ -28,13 +28,10 @@ from safetensors import safe_open
 
 from ldqa.attention.cache_dir import cache_root
 from ldqa.attention.config import ModelConfig, UnsupportedModelError
-from ldqa.attention.model_packages import PACKAGED_MODELS, PARTED, PackageError, check_installed
+from ldqa.attention.model_packages import DEFAULT_MODEL, PACKAGED_MODELS, PARTED, PackageError, check_installed
 from ldqa.attention.model_packages import assemble as assemble_parts
 from ldqa.attention.quant import DEFAULT_GROUP_SIZE
 
-# the application default (LongDocQA, CLI, web app, eval), chosen by measurement: the most accurate packaged
-# model whose answers on the 2-core machine stay under the time limit (docs/models.md#the-default-model)
-DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 CACHE_FORMAT = 2  # v2: config/tokenizer per GGUF, weights per format (v1 held one fp32 model.safetensors)
 
 

@@ -46,11 +46,11 @@ import logging
 import torch
 import torch.nn as nn
 
+from ldqa.attention.choices import WEIGHT_FORMATS  # noqa: F401  (re-exported; torch-free for the CLI)
 from ldqa.kernels import cpu_linear
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "q8_0", "gguf")
 Q8_BLOCK = 32  # input channels per q8_0 block (GGUF's QK8_0)
 DEFAULT_GROUP_SIZE = 64
 INT4_GROUP_SIZES = (32, 64, 128, 256)

@@ -86,7 +86,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ldqa.app import options
-from ldqa.attention.device import DEVICE_HELP, device_arg
 from ldqa.eval.answering import RANK_KS, HFReference, answer_one, collection_settings, retrieve_for, write_context
 
 BENCHMARKS = ("nq-multidoc", "kv-retrieval", "niah", "retrieval", "jsonl")
@@ -146,8 +145,8 @@ class EvalConfig:
         None = the defaults.
     block_anchors : block modes encode a chunk of a long document after its document's first chunk
         (jsonl with a retriever: the chunks of a record's collection).
-    device : where the LLM runs (`LongDocQA`'s `device`); off the CPU, the device and the KV cache dtype
-        are part of `settings_hash`.
+    device, kv_dtype : where the LLM runs and its KV cache's dtype (`LongDocQA`'s; None: the device's
+        default); unless cpu and fp32, both are part of `settings_hash`.
     """
 
     benchmark: str
@@ -182,6 +181,7 @@ class EvalConfig:
     abstain_below: float | None = None
     chat_template: str = "auto"
     device: str = "auto"
+    kv_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -673,7 +673,7 @@ def run(cfg: EvalConfig) -> dict:
     else:
         store = out / "store"
     qa = LongDocQA(store=store, model=cfg.model, max_new_tokens=max_new, weights=cfg.weights,
-                   chat_template=cfg.chat_template, device=cfg.device)
+                   chat_template=cfg.chat_template, device=cfg.device, kv_dtype=cfg.kv_dtype)
     config = settings_hash(cfg, qa.llm.fingerprint, max_new, qa.chat_format(), qa.device, qa.kv_dtype)
     examples = BUILDERS[cfg.benchmark](cfg, qa)
     cache = PredictionCache(out / "predictions.sqlite")
@@ -906,15 +906,8 @@ def add_arguments(p) -> None:
     p.add_argument("--limit", type=int, default=None, help="questions (niah: grid cells) evaluated; default all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default out/eval-BENCHMARK)")
-    p.add_argument("--model", default=None,
-                   help="qwen2.5-coder-1.5b-instruct (default), qwen2.5-coder-0.5b-instruct, gemma3-270m, "
-                        "smollm2-135m, a .gguf file or a Hugging Face model directory")
-    p.add_argument("--weights", choices=["fp32", "bf16", "int8", "int4", "q8_0", "gguf"], default=None,
-                   help="the LLM's weight format (default: ldqa's default, gguf for a GGUF model, q8_0 for a HF directory); the hf mode runs transformers in fp32, so compare it with --weights fp32 for exact parity")
-    p.add_argument("--chat-template", choices=["auto", "none"], default="auto",
-                   help="auto (default): a model with a chat template (an instruct model) is prompted through it; "
-                        "none: the base-model prompt for every model")
-    p.add_argument("--device", type=device_arg, default="auto", help=f"where the LLM runs: {DEVICE_HELP}")
+    options.add_model_arguments(p, weights_note="The hf mode runs transformers in fp32: compare it with --weights "
+                                                "fp32 for exact parity.")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap (default: per benchmark)")
     p.add_argument("--n-passages", type=int, default=10, help="nq-multidoc: passages per question")
     p.add_argument("--gold-positions", default="default",

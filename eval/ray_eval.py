@@ -33,7 +33,7 @@ class EvalWorker:
             log.warning("ldqa eval --ray: the store is not visible on this node; KV blocks go to %s", store)
         self.cfg, self.max_new, self.hf = cfg, max_new, None
         self.qa = LongDocQA(store=store, model=cfg.model, max_new_tokens=max_new, weights=cfg.weights,
-                            chat_template=cfg.chat_template, device=cfg.device)
+                            chat_template=cfg.chat_template, device=cfg.device, kv_dtype=cfg.kv_dtype)
         self.qa.llm  # noqa: B018  (load now, not in the first answer)
 
     def answer(self, ex: dict, mode) -> dict:
