@@ -127,13 +127,13 @@ def avx2_kernel_lib(tmp_path):
     import ctypes
     import platform
 
-    from ldqa.kernels import cpu_linear
+    from ldqa.kernels import c_library, cpu_linear
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the kernel is written for x86-64")
     assert cpu_linear.available(), cpu_linear.unavailable_reason()
-    cmd = [cpu_linear._compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC"]
-    lib = ctypes.CDLL(str(cpu_linear._compile(cmd, tmp_path / "kernels-avx2.so")))
+    cmd = [c_library._compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC"]
+    lib = ctypes.CDLL(str(c_library._compile(cmd, tmp_path / "kernels-avx2.so")))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ldqa_q8_0_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
     lib.ldqa_mats_linear.argtypes = [p, i32, p, i64, i64, p, i32]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ldqa.attention.quant import QEmbedding, QLinear, quantize_portable, quantize_q8_0
+from ldqa.kernels import c_library
 from ldqa.kernels import cpu_linear as C
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -149,7 +150,7 @@ def test_env_forces_the_reference(monkeypatch):
 
 
 def test_no_compiler_falls_back_to_the_reference_with_the_reason(monkeypatch, caplog):
-    monkeypatch.setattr(C, "_compiler", lambda: None)
+    monkeypatch.setattr(c_library, "_compiler", lambda: None)
     assert not C.available()
     assert "no C compiler" in C.unavailable_reason() or not X86
     q, d = _q8(50, 64)
@@ -161,7 +162,7 @@ def test_no_compiler_falls_back_to_the_reference_with_the_reason(monkeypatch, ca
 def test_failed_build_and_damaged_library(monkeypatch, tmp_path):
     bad = tmp_path / "q8_0.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(C, "_SOURCES", (bad, *C._SOURCES[1:]))
+    monkeypatch.setattr(c_library, "_SOURCES", (bad, *c_library._SOURCES[1:]))
     assert not C.available() and "building the q8_0 CPU kernel failed" in C.unavailable_reason()
     monkeypatch.undo()
     monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "a"))
