@@ -228,7 +228,6 @@ class Attention(nn.Module):
             return dispatch.attention(q, k, v, scale=self.cfg.attn_scale, causal=True)  # (b, h, n, d)
         return dispatch.attention(q, k, v, mask=masks[kind], scale=self.cfg.attn_scale)  # (b, h, n, d)
 
-
     def _attend_kernels(self, q, k, v, positions, k_pos, kind: str, slots, masks: dict) -> torch.Tensor:
         """`attend` through the Triton kernels (CUDA tensors; on the CPU with LDQA_KERNELS=triton under
         TRITON_INTERPRET=1): the cache's dtype as it is (q rounded to it: a bf16 cache is read as bf16),
