@@ -30,13 +30,16 @@ test-fast: install
 bench-nq: install
 	$(PY) -m ldqa.eval.bench.bench_nq --out out/bench-nq
 
-# what `python -m ldqa.eval.bench.gpu_check` needs on a GPU machine that has torch, triton and transformers
-# but no network (Python 3.12): ldqa's own wheel and the store's dependencies, in .whl/ (docs/gpu.md)
-GPU_WHEELS := faiss-cpu==1.15.1 sqlite-utils==4.2.1 sqlite-fts4==1.0.3 click-default-group==1.2.4 platformdirs==4.14.9
+# what `python -m ldqa.eval.bench.gpu_check` needs on a GPU machine that has torch, triton, transformers and
+# pytest but no network (x86-64, Python $(GPU_PYTHON)): ldqa's own wheel and the store's dependencies, in .whl/
+# (docs/gpu.md); needs the network here
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := faiss-cpu==1.15.1 sqlite-utils==4.2.1 sqlite-fts4==1.0.3 click-default-group==1.2.4 platformdirs==4.14.9 \
+	click==8.5.1 pluggy==1.7.0 python-dateutil==4.0.0 six==1.17.0 tabulate==0.10.0
 gpu-wheels: install
 	rm -rf .whl && mkdir .whl
 	$(PIP) wheel -q --no-deps --no-build-isolation -w .whl .
-	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
 

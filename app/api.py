@@ -59,15 +59,15 @@ class LongDocQA:
     kv_budget_mb : in-memory budget of the KV block store (MB); blocks also persist under <store>/kv.
     weights : the LLM's weight format, "fp32" (reference), "bf16", "int8", "int4", "q8_0" (weight-only
         quantization, `ldqa.attention.quant`) or "gguf" (a GGUF model's own quantized blocks); None =
-        $LDQA_WEIGHTS or `loader.default_weights(model)` (gguf for a GGUF model, q8_0 for a Hugging Face
-        directory, int8 where their CPU kernel cannot be built).
+        $LDQA_WEIGHTS or `loader.default_weights(model, device)` (on the CPU gguf for a GGUF model, q8_0 for
+        a Hugging Face directory, int8 where their CPU kernel cannot be built; bf16 on CUDA).
     kv_dtype : "fp32" or "bf16", the in-memory KV cache's dtype; None = the device's default (fp32 on the
         CPU, bf16 on CUDA).
     device : where the LLM runs: "auto" (default: CUDA when torch sees a GPU, else the CPU), "cpu", "cuda"
         or "cuda:N" (`ldqa.attention.device`). On CUDA the weights are bf16 (a GGUF dequantized on load;
-        fp32 allowed) and attention runs on ldqa's Triton kernels; the retriever and the KV block store
-        stay on the CPU, and a stored block is reused on either device. `Answer.settings.device` says
-        which ran.
+        fp32 allowed) and attention runs on ldqa's Triton kernels; the retriever's indexes and the KV block
+        store stay on the CPU (the MiniLM embedder uses CUDA whenever torch sees a GPU), and a stored block
+        is reused on either device. `Answer.settings.device` says which ran.
     chat_template : "auto" (default: a model that ships a chat template, an instruct model, is prompted
         through it and its answer ends at the template's end-of-turn token; `ldqa.app.chat`) or "none"
         (every model gets the base-model prompt). `Answer.settings.chat_template` says which was used

@@ -103,7 +103,7 @@ def add_model_arguments(p: argparse.ArgumentParser, weights_note: str = "") -> N
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
                    help="the LLM's weight format (default: $LDQA_WEIGHTS, else on the CPU gguf for a GGUF model (its "
                         "own blocks), q8_0 for a Hugging Face directory, int8 where their CPU kernel cannot be built; "
-                        "bf16 on CUDA; fp32 is the reference)" + (" " + weights_note if weights_note else ""))
+                        "bf16 on CUDA; fp32 is the reference)" + (". " + weights_note if weights_note else ""))
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help="in-memory KV cache dtype (default: fp32 on the CPU, bf16 on CUDA)")
     p.add_argument("--device", type=device_arg, default="auto", help=f"where the LLM runs: {DEVICE_HELP}")

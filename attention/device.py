@@ -66,8 +66,12 @@ def default_kv_dtype(device: str) -> str:
 def check_weights_on(weights: str, device: str) -> str:
     """`weights` if the device runs that format, else ValueError naming both and the formats it runs:
     q8_0, gguf, int8 and int4 compute through CPU kernels (ldqa's C code, aten's CPU packed ops)."""
+    import os
+
     allowed = DEVICE_WEIGHTS.get(device_kind(device))
     if allowed is not None and weights not in allowed:
-        raise ValueError(f"weights {weights!r} run on the CPU's kernels, not on device {device!r}: use weights "
-                         f"{' or '.join(repr(w) for w in allowed)} there (default {allowed[0]!r}), or --device cpu")
+        source = " (from $LDQA_WEIGHTS)" if os.environ.get("LDQA_WEIGHTS") == weights else ""
+        raise ValueError(f"weights {weights!r}{source} run on the CPU's kernels, not on device {device!r}: use "
+                         f"weights {' or '.join(repr(w) for w in allowed)} there (default {allowed[0]!r}), or "
+                         "--device cpu")
     return weights

@@ -49,6 +49,12 @@ def test_each_device_defaults():
         check_weights_on("gguf", "cuda")
 
 
+def test_a_format_from_the_environment_is_named_as_such(monkeypatch):
+    monkeypatch.setenv("LDQA_WEIGHTS", "q8_0")
+    with pytest.raises(ValueError, match=r"'q8_0' \(from \$LDQA_WEIGHTS\) run on the CPU's kernels"):
+        check_weights_on("q8_0", "cuda")
+
+
 def test_the_device_module_and_the_cli_flag_need_no_torch():
     import subprocess
 

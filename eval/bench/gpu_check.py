@@ -39,7 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 # Qwen2.5-Coder-1.5B-Instruct's shapes (its config.json), the model the CPU answers with by default
 QWEN15_SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
@@ -127,7 +126,7 @@ def end_to_end(model_dir: Path, device: str, reps: int = 5, new_tokens: int = 64
     seg = nq_layout(model.cfg.vocab_size)
     chunks = list(range(len(seg.passages)))
     first = lambda ctx_logits: int(ctx_logits[0, -1].argmax())  # noqa: E731  (the first token: a sync)
-    out = {"device": device, "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor(),
+    out = {"device": device, "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else "none",
            "prompt_tokens": len(seg), "layers": model.cfg.num_layers, "hidden": model.cfg.hidden_size}
 
     def full():
@@ -172,16 +171,27 @@ def end_to_end(model_dir: Path, device: str, reps: int = 5, new_tokens: int = 64
     return out
 
 
-def _run_part(name: str, cmd: list[str], out_dir: Path, timeout: int) -> dict:
-    """Run one part as a child process; its output goes to out_dir/<name>.log. Returns rc and seconds."""
+def _run_part(name: str, cmd: list[str], out_dir: Path, timeout: int, cwd: Path) -> dict:
+    """Run one part as a child process in `cwd`; its output goes to out_dir/<name>.log. Returns rc and
+    seconds. PYTHONSAFEPATH keeps the working directory off the child's import path: ldqa is the installed
+    package (the repository's own `ldqa/` folder holds only its top-level module)."""
     t0 = time.perf_counter()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1")
     with open(out_dir / f"{name}.log", "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+            rc = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     return {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "log": f"{name}.log"}
+
+
+def _pytest_counts(log: Path) -> dict:
+    """passed / skipped / failed / error counts from pytest's last summary line in `log`."""
+    import re
+
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    lines = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
+    return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", lines[-1])} if lines else {}
 
 
 def _markdown(result: dict) -> str:
@@ -191,7 +201,15 @@ def _markdown(result: dict) -> str:
     for name in ("tests", "kernels", "end_to_end_run"):
         p = result.get(name)
         if p:
-            lines.append(f"| {name} | {'ok' if p['rc'] == 0 else 'rc ' + str(p['rc'])} | {p['seconds']} |")
+            status = "ok" if p["rc"] == 0 else f"rc {p['rc']}"
+            if p.get("counts"):
+                status += " (" + ", ".join(f"{n} {k}" for k, n in p["counts"].items()) + ")"
+            lines.append(f"| {name} | {status} | {p['seconds']} |")
+        elif result.get("dry_run") and name != "end_to_end_run":
+            lines.append(f"| {name} | not run (no CUDA) | |")
+    if result.get("dry_run"):
+        lines += ["", "Dry run on the CPU: the tests and kernels parts need CUDA and were not run; the end-to-end "
+                      "numbers below come from a 3-layer model and are not comparable with the targets."]
     if e:
         lines += ["", f"End to end on {e['device']}, a Qwen2 model of {e['layers']} layers x {e['hidden']} hidden "
                       f"(random weights), bf16, {e['prompt_tokens']} prompt tokens, batch 1:", "",
@@ -201,6 +219,7 @@ def _markdown(result: dict) -> str:
             if key in e:
                 target = TARGETS.get(key)
                 bound = "" if target is None else (">= " if "per_s" in key else "< ") + f"{target:g}"
+                bound = "n/a (dry run)" if bound and result.get("dry_run") else bound
                 lines.append(f"| {key} | {e[key]:.1f} {unit} | {bound} |")
         if "logits_rel_diff" in e:
             lines.append(f"| logits vs CPU fp32, max diff / max logit | {e['logits_rel_diff']:.4f} "
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="tests,kernels,end_to_end", help="comma-separated parts to run")
     ap.add_argument("--dry-run", action="store_true",
                     help="no GPU: run the end-to-end part on the CPU with a tiny model (checks the script)")
+    ap.add_argument("--repo", default=".", help="the ldqa repository whose tests/ the tests part runs (default: .)")
     args = ap.parse_args(argv)
     import torch
 
@@ -223,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
-        print("gpu_check: torch sees no CUDA device; run it on a GPU machine (or --dry-run here)", file=sys.stderr)
+        print(f"gpu_check: torch {torch.__version__} sees no CUDA device (a CPU-only build has none); run it on a "
+              "GPU machine with a CUDA build of torch (or --dry-run here)", file=sys.stderr)
         return 2
     try:
         import triton
@@ -231,8 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         triton_version = "absent"
     parts = set(args.parts.split(","))
+    repo = Path(args.repo).resolve()
+    if "tests" in parts and cuda and not (repo / "tests" / "test_gpu.py").is_file():
+        print(f"gpu_check: {repo} has no tests/test_gpu.py: run it from the ldqa repository or pass --repo",
+              file=sys.stderr)
+        return 2
     result = {"gpu": torch.cuda.get_device_name(0) if cuda else "none (dry run)", "torch": torch.__version__,
-              "triton": triton_version, "python": platform.python_version()}
+              "triton": triton_version, "python": platform.python_version(), "dry_run": not cuda}
     ok = True
 
     def save():
@@ -240,14 +266,17 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "gpu_check.md").write_text(_markdown(result))
 
     if "tests" in parts and cuda:
-        result["tests"] = _run_part("tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                                              "tests/test_gpu.py", "tests/test_kernels.py"], out_dir, 240)
-        ok &= result["tests"]["rc"] == 0
+        result["tests"] = _run_part("tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p",
+                                              "no:cacheprovider", "tests/test_gpu.py", "tests/test_kernels.py"],
+                                    out_dir, 240, repo)
+        counts = result["tests"]["counts"] = _pytest_counts(out_dir / "tests.log")
+        # a skipped gpu test (a missing module, no CUDA in the child) is a failure of the check
+        ok &= result["tests"]["rc"] == 0 and counts.get("skipped", 0) == 0 and counts.get("passed", 0) > 0
         save()
     if "kernels" in parts and cuda:
         result["kernels"] = _run_part("kernels", [sys.executable, "-m", "ldqa.eval.bench.bench_kernels", "--out",
                                                   str(out_dir / "bench_kernels.json"), "--max-seq", str(args.max_seq)],
-                                      out_dir, 300)
+                                      out_dir, 300, repo)
         ok &= result["kernels"]["rc"] == 0
         save()
     if "end_to_end" in parts:
