@@ -22,7 +22,7 @@ from ldqa.attention.config import ModelConfig
 from ldqa.attention.decode_runner import choose_runner
 from ldqa.attention.device import DEVICE_WEIGHTS, check_weights_on, device_kind, resolve_device
 from ldqa.attention.model import Transformer
-from ldqa.attention.memory import retain_freed_memory
+from ldqa.attention.memory import retain_freed_memory, weights_on_huge_pages
 from ldqa.attention.model_packages import PACKAGED_MODELS
 from ldqa.attention.model_sources import DEFAULT_MODEL, ModelLoadError, _source, weights_fingerprint
 from ldqa.attention.model_sources import (  # noqa: F401  (re-exported: callers import them from the loader)
@@ -165,6 +165,8 @@ def _load(name: str, weights: str, group_size: int, kv_dtype: str, device: str =
         model = _build_model(src.cfg, _read_cache(path), path)
     if device != "cpu":
         model.to(device)  # bf16 or fp32 weights (`check_weights_on`); norms and biases stay fp32
+    else:
+        weights_on_huge_pages(model)  # a decode step streams every weight: 2 MB pages spare the TLB misses
     model.kv_dtype = KV_DTYPES[kv_dtype]
     model.weight_format = weights
     model.decoder = choose_runner(model)  # q8_0 and gguf weights decode in C; prefill runs the modules

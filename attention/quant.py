@@ -380,11 +380,12 @@ def quantize_portable(w: torch.Tensor, fmt: str, group_size: int = DEFAULT_GROUP
 
 
 def model_nbytes(model: nn.Module) -> int:
-    """Bytes held by a model's parameters and buffers, each storage counted once (tied weights once)."""
+    """Bytes of a model's parameters and buffers, each tensor counted once (tied weights once; the weights
+    that share one huge-page block, `memory.weights_on_huge_pages`, each by its own size)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        key = t.untyped_storage().data_ptr()
+        key = (t.data_ptr(), t.numel() * t.element_size())
         if key not in seen:
             seen.add(key)
-            total += t.untyped_storage().nbytes()
+            total += key[1]
     return total

@@ -86,8 +86,8 @@ def decode_bytes(model) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, QLinear) or m.__class__.__name__ == "RMSNorm":
-            total += sum(b.untyped_storage().nbytes() for b in list(m.buffers(recurse=False))
-                         + list(m.parameters(recurse=False)))
+            total += sum(b.numel() * b.element_size() for b in list(m.buffers(recurse=False))
+                         + list(m.parameters(recurse=False)))  # (the weights share one huge-page block)
     return total
 
 
@@ -151,7 +151,10 @@ class LdqaEngine:
             tok = int(logits[0, -1].argmax())
             out.append(tok)
         dec = time.perf_counter() - t1
-        return {"ttft_ms": ttft * 1000, "decode_tok_s": (new_tokens - 1) / dec, "tokens": out}
+        from ldqa.attention.memory import huge_pages_in_use
+
+        return {"ttft_ms": ttft * 1000, "decode_tok_s": (new_tokens - 1) / dec, "tokens": out,
+                "huge_page_mb": huge_pages_in_use() >> 20}  # the weights' and the cache's, while decoding
 
 
 class LlamaCppEngine:
@@ -279,7 +282,8 @@ def run(args) -> dict:
                     r = e.run(ids, args.new_tokens, t) if isinstance(e, LlamaCppEngine) else e.run(ids, args.new_tokens)
                     runs.append({"engine": e.label, "threads": t, "prompt_tokens": n, "repeat": rep, **r})
                     print(f"rep {rep} n={n} t={t} {e.label}: TTFT {r['ttft_ms']:.0f} ms, "
-                          f"decode {r['decode_tok_s']:.1f} tok/s", flush=True)
+                          f"decode {r['decode_tok_s']:.1f} tok/s"
+                          + (f", {r['huge_page_mb']} MB on huge pages" if "huge_page_mb" in r else ""), flush=True)
     rows = []
     for n in lengths:
         for t in threads:
