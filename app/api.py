@@ -93,9 +93,9 @@ class LongDocQA:
                  overlap_tokens: int = 32, index: str | None = None, max_new_tokens: int | None = None,
                  kv_budget_mb: int = 512, weights: str | None = None, kv_dtype: str | None = None,
                  chat_template: str = "auto", device: str = "auto"):
-        from ldqa.attention.device import check_device, check_weights_on, default_kv_dtype, resolve_device
-        from ldqa.attention.loader import (DEFAULT_MODEL, WeightFormatError, check_kv_dtype, check_model_name,
-                                           check_weights, default_weights)
+        from ldqa.attention.device import check_device, default_kv_dtype, resolve_device
+        from ldqa.attention.loader import (DEFAULT_MODEL, check_kv_dtype, check_model_name, check_weights,
+                                           default_weights)
         from ldqa.indexes.store import Store, default_store_dir
         from ldqa.retrieval.chunking import ChunkConfig
         from ldqa.retrieval.embedders import Embedder
@@ -103,11 +103,7 @@ class LongDocQA:
         self.model_name = model or DEFAULT_MODEL
         check_model_name(self.model_name)  # architecture and readability now, not at the first answer
         self.device = resolve_device(check_device(device))
-        self.weights = check_weights(weights or default_weights(self.model_name, self.device))
-        try:
-            check_weights_on(self.weights, self.device)
-        except ValueError as e:
-            raise WeightFormatError(str(e)) from None
+        self.weights = check_weights(weights or default_weights(self.model_name, self.device), device=self.device)
         self.kv_dtype = check_kv_dtype(kv_dtype or default_kv_dtype(self.device))
         self.chat_template = check_chat_template(chat_template)
         self._chats: dict = {}

@@ -170,8 +170,7 @@ def _storage(specs: list, device) -> tuple[list, list]:
     (copied), the keys first. A CPU cache of HUGE_CACHE_BYTES or more is one `memory.arena` block
     (transparent huge pages); any other, one tensor per layer."""
     copy = isinstance(specs[0], torch.Tensor)
-    nbytes = sum(t.numel() * t.element_size() if copy else
-                 torch.Size(t[0]).numel() * torch.empty((), dtype=t[1]).element_size() for t in specs)
+    nbytes = sum(t.numel() * t.element_size() if copy else torch.Size(t[0]).numel() * t[1].itemsize for t in specs)
     if torch.device(device).type == "cpu" and nbytes >= HUGE_CACHE_BYTES:
         from ldqa.attention.memory import arena
 

@@ -86,15 +86,20 @@ def check_kv_dtype(kv_dtype: str) -> str:
     return kv_dtype
 
 
-def check_weights(weights: str, group_size: int = DEFAULT_GROUP_SIZE) -> str:
-    """Validate a weight format name for this machine (`quant.check_format`); returns it.
+def check_weights(weights: str, group_size: int = DEFAULT_GROUP_SIZE, device: str = "cpu") -> str:
+    """Validate a weight format name for this machine (`quant.check_format`) and the resolved `device`
+    (`device.check_weights_on`: bf16 or fp32 on CUDA); returns it.
 
     Raises WeightFormatError naming it: an unknown name, an int4 group size not offered, a format this
-    torch build cannot run; a float16 name ("fp16", "float16", ...) is refused saying why (Gemma 3
-    overflows in float16) and to use bf16, int8 or fp32.
+    torch build cannot run, one the device does not run; a float16 name ("fp16", "float16", ...) is
+    refused saying why (Gemma 3 overflows in float16) and to use bf16, int8 or fp32.
     """
     if weights in FP16_NAMES:
         raise WeightFormatError(f"weights={weights!r}: {FP16_HELP}; use weights 'bf16', 'int8' or 'fp32'")
+    try:
+        check_weights_on(weights, device)
+    except ValueError as e:
+        raise WeightFormatError(str(e)) from None
     return check_format(weights, group_size)
 
 
@@ -137,13 +142,9 @@ def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int
     file's metadata before any conversion), WeightFormatError (unknown format, float16, or one this torch
     build cannot run), ValueError (a device torch does not see, or a format it does not run).
     """
-    check_weights(weights, group_size)
-    check_kv_dtype(kv_dtype)
     device = resolve_device(device)
-    try:
-        check_weights_on(weights, device)
-    except ValueError as e:
-        raise WeightFormatError(str(e)) from None
+    check_weights(weights, group_size, device)
+    check_kv_dtype(kv_dtype)
     retain_freed_memory()  # a prefill's buffers are reused, not faulted in again (attention/memory.py)
     gs = group_size if weights == "int4" else DEFAULT_GROUP_SIZE
     key = (name, weights, gs, kv_dtype, device)

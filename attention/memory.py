@@ -127,7 +127,7 @@ def arena(tensors: list) -> list:
     import torch
 
     specs = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t[0]), t[1]) for t in tensors]
-    sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in specs]
+    sizes = [math.prod(s) * d.itemsize for s, d in specs]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
