@@ -79,6 +79,7 @@ import torch
 from ldqa.attention.choices import CALIBRATION_FORMS, DEBIAS_METHODS, DEBIAS_ORDERS
 from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.segments import passage_spans
+from ldqa.kernels import dispatch
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,10 @@ class DebiasKV:
     record: keep the queries of the last `n_record` tokens of each multi-token pass (the question);
     log_w: (L,) additive score bias per cache slot (log of the attention weight), or None = no change.
     The biased attention is exact softmax attention with causal masking by position, plus log_w.
+    bias_from: None (every query is biased) or a position: only queries at that position or later (the
+    question and the answer) are biased; earlier ones (context tokens recomputed in the same pass, their
+    positions ascending) take the layer's normal attention, so one pass can recompute context tokens and
+    the question under the intervention.
 
     Exception to "all attention goes through `kernels.dispatch`": the biased attention is computed here
     with einsum in fp32, because no dispatch kernel takes an additive per-key bias, and it only ever
@@ -239,6 +244,7 @@ class DebiasKV:
     log_w: torch.Tensor | None = None
     scale: float = 1.0
     queries: dict = field(default_factory=dict)
+    bias_from: int | None = None
 
     def forward(self, layer: int, q, k, v, q_pos, k_pos, slots):
         """q: (1, hq, n, d); k, v: (1, hkv, L, d); q_pos (n,), k_pos (L,). Returns (1, hq, n, d) or None
@@ -247,6 +253,14 @@ class DebiasKV:
             self.queries[layer] = q[0, :, -self.n_record:].detach().float()  # (hq, n_record, d)
         if self.log_w is None:
             return None
+        if self.bias_from is not None and int(q_pos[0]) < self.bias_from:
+            # context tokens recomputed before the question (positions ascending): their normal attention,
+            # the question's rows biased below
+            n0 = int((q_pos < self.bias_from).sum())
+            early = dispatch.attention(q[:, :, :n0], k, v, mask=k_pos[None, :] <= q_pos[:n0, None], scale=self.scale)
+            if n0 == q.shape[2]:
+                return early
+            return torch.cat([early, self.forward(layer, q[:, :, n0:], k, v, q_pos[n0:], k_pos, slots)], dim=2)
         L = k.shape[2]
         bias = torch.zeros(L, device=k.device)
         n = min(L, self.log_w.shape[0])
@@ -369,7 +383,7 @@ def sort_order(mass: torch.Tensor) -> list[int]:
 # ------------------------------------------------------------------------------------------ the recipe
 
 def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, measure, build, bias_curve,
-                     rebuild: bool = False):
+                     rebuild: bool = False, prompt=None):
     """Position debiasing of one question's context: measure, calibrate or sort, intervene.
 
     model: the Transformer (its attention scale; the question is recomputed through it); passages: in
@@ -379,6 +393,11 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     rebuild: `measure` builds a cheaper context than `build` (block+recompute measures the question's
     attention over the plain block cache, with that mode's bias curve, as its selection pass does):
     every method ends with one `build` of the final order, intervened on where it calibrates.
+    prompt: None, or prompt(passages) -> PromptSegments, and then build(passages, policy) takes a cache
+    hook: a final build computes the question under the intervention in its own pass (`DebiasKV`'s
+    bias_from), instead of recomputing the question after it (block modes: one pass of the question
+    fewer). Without it, and where the final context was built before (the reversed order, reused), the
+    question is recomputed in place under the intervention.
 
     Returns (Context ready to decode, passages in their final order, DebiasStats): debias_ms,
     debias_passes, passage_attention and reused_prefill_ms, and with the calibrate methods
@@ -395,9 +414,9 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     out = DebiasStats()
     method = cfg.method
 
-    def build_final(ps):  # one more context build, counted
+    def build_final(ps, policy=None):  # one more context build, counted
         nonlocal reused, passes
-        c = build(ps)
+        c = build(ps) if policy is None else build(ps, policy)
         reused += c.reused_prefill_ms
         passes += 1
         return c
@@ -429,6 +448,7 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
         else:
             rel = calibrated_relevance(mass, bias, form)
         measured = mass  # by slot, as measured: what "pearson" normalises by, with bias
+        final = rebuild  # the measured contexts were the cheaper mode's: build the final order's
         if method == "calibrate+reorder":
             order = reorder_for_bias(rel, bias)
             passages, rel, mass = [passages[i] for i in order], rel[order], mass[order]
@@ -436,11 +456,18 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
             if not rebuild and order == list(range(k))[::-1] and rctx is not None:
                 ctx = rctx  # the reversed context is already built
             elif not rebuild and order != list(range(k)):
-                ctx = build_final(passages)
-        if rebuild:  # the measured contexts were the cheaper mode's: build the final order's
-            ctx = build_final(passages)
+                final = True
         log_w = log_weights(rel, measured, cfg.strength, form, bias=bias)
-        if bool(log_w.any()):  # all zero (strength 0, equal relevance): nothing to change, the context stands
+        intervene = bool(log_w.any())  # all zero (strength 0, equal relevance): nothing to change
+        if final and intervene and prompt is not None:  # the question computed once, under the intervention
+            segments = prompt(passages)
+            ctx = build_final(passages, DebiasKV(
+                log_w=slot_bias(passage_spans(segments), log_w, len(segments) + max_new + CAPACITY_SLACK),
+                scale=model.cfg.attn_scale, bias_from=len(segments) - len(segments.question)))
+            intervene = False
+        elif final:
+            ctx = build_final(passages)
+        if intervene:  # the question recomputed in place under the intervention
             L = ctx.cache.length
             n_q = len(ctx.prompt.question)
             hook = DebiasKV(log_w=slot_bias(passage_spans(ctx.prompt), log_w, L + max_new + CAPACITY_SLACK),

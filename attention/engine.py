@@ -222,8 +222,9 @@ class Engine:
             out.context, out.passages, out.stats = debiased_context(
                 model, passages, debias, max_new,
                 measure=lambda ps: self.measure(ps, build, measured, cfg.block, max_new),
-                build=lambda ps: self.build_context(ps, build, mode, cfg.block, max_new),
-                bias_curve=lambda k: self.bias_curve(k, measured, block_headers=cfg.block.headers), rebuild=cheap)
+                build=lambda ps, policy=None: self.build_context(ps, build, mode, cfg.block, max_new, policy),
+                bias_curve=lambda k: self.bias_curve(k, measured, block_headers=cfg.block.headers), rebuild=cheap,
+                prompt=build if mode.startswith("block") else None)
         return out
 
     # ------------------------------------------------------------------------------ the pieces

@@ -514,3 +514,57 @@ def test_debiasing_a_question_without_passages_answers_it_plainly(tiny_model_dir
                          ("block", "calibrate+reorder")):
         ans = qa.ask(q, retriever="bm25", attention=mode, debias=method)
         assert ans.passages == [] and ans.text == none.text, (mode, method)
+
+
+@pytest.mark.parametrize("attention", ["block", "block+recompute"])
+def test_final_build_computes_the_question_under_the_intervention_in_its_own_pass(tmp_path, tiny_model_dir,
+                                                                                   monkeypatch, attention):
+    """Block modes build the final order with the intervention as the cache's hook (context tokens recomputed
+    in that pass attend normally, the question biased): the same logits and decode steps as building the
+    final order plainly and recomputing the question under the intervention after it, with one pass of
+    the question fewer. fp32 weights: a quantized format multiplies a pass of few rows through another
+    kernel than a longer one, which would differ by its rounding, not by this logic."""
+    from ldqa.attention.engine import AttentionConfig
+
+    monkeypatch.setenv("LDQA_CACHE_DIR", str(tmp_path / "cache"))
+    tiny_qa = LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("llama")), weights="fp32",
+                        max_new_tokens=6)
+
+    q = "What torque for the fan hub bolts?"
+    eng, llm = tiny_qa.engine, tiny_qa.engine.llm
+    # a strong intervention (log weights of several units), so that biasing the wrong rows would show
+    cfg = AttentionConfig.from_kwargs(attention, debias="calibrate+reorder", debias_strength=40).resolved()
+
+    def build(ps):
+        return build_prompt(llm.tokenizer, ps, q)
+
+    calls = []
+    forward = type(llm.model).forward
+
+    def counting(self, tokens, *a, **k):
+        calls.append(tokens.shape[1])
+        return forward(self, tokens, *a, **k)
+
+    monkeypatch.setattr(type(llm.model), "forward", counting)
+    tiny_qa.answer(q, PASSAGES, attention=attention, debias="calibrate+reorder", debias_strength=40)  # blocks, curve
+
+    def run():
+        calls.clear()
+        out = eng.context(PASSAGES, build, cfg, 8)
+        ctx = out.context
+        steps = [ctx.logits[0, -1]]
+        for t in (11, 12, 13):
+            steps.append(llm.model(torch.tensor([[t]]), torch.tensor([ctx.cache.next_position()]), ctx.cache)[0, -1])
+        return out, torch.stack(steps), list(calls)
+
+    merged, merged_logits, merged_calls = run()
+    plain = D.debiased_context
+    monkeypatch.setattr(D, "debiased_context", lambda *a, **k: plain(*a, **{**k, "prompt": None}))
+    separate, separate_logits, separate_calls = run()
+    assert [p.title for p in merged.passages] == [p.title for p in separate.passages]
+    assert [p.title for p in merged.passages] != [p.title for p in PASSAGES]  # reordered: a final build ran
+    assert isinstance(merged.context.cache.policy, D.DebiasKV)  # the intervention serves the decode steps
+    torch.testing.assert_close(merged_logits, separate_logits, atol=1e-4, rtol=0)
+    n_q = len(build(PASSAGES).question)
+    merged_calls, separate_calls = merged_calls[:-3], separate_calls[:-3]  # the passes before decoding
+    assert len(merged_calls) == len(separate_calls) - 1 and separate_calls[-1] == n_q
