@@ -297,16 +297,17 @@ class BlockRuntime:
     # ------------------------------------------------------------------ assembly
     def prefill(self, segments, chunk_ids: list[int | None], mode: str = "block",
                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64, policy=None,
-                headers: str = DEFAULT_HEADERS, select: str | tuple[int, ...] = DEFAULT_SELECT):
+                headers: str = DEFAULT_HEADERS, select: str | tuple[int, ...] = DEFAULT_SELECT, scores=None):
         """`assemble` plus the question, in the same single pass as the fresh tokens (recomputed tokens,
         fresh headers).
 
         policy: the cache's attention hook during that pass (e.g. a DebiasKV recording the question's
-        queries), left attached. Returns (cache holding the whole prompt, logits of the last prompt token
-        (1, 1, vocab), stats).
+        queries), left attached. scores: None, or the question's attention to each passage's slots
+        measured beforehand (see `_assemble`). Returns (cache holding the whole prompt, logits of the last
+        prompt token (1, 1, vocab), stats).
         """
         return self._assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, True, policy, headers,
-                              select)
+                              select, scores)
 
     def assemble(self, segments, chunk_ids: list[int | None], mode: str = "block",
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64,
@@ -320,7 +321,7 @@ class BlockRuntime:
 
     def _assemble(self, segments, chunk_ids: list[int | None], mode: str, recompute_ratio: float,
                   extra_capacity: int, with_question: bool, policy, headers: str,
-                  select: str | tuple[int, ...] = DEFAULT_SELECT):
+                  select: str | tuple[int, ...] = DEFAULT_SELECT, scores=None):
         """Build the cache [prefix][h1][b1]...[hk][bk] for `segments` (`attention.segments.PromptSegments`),
         ready for the question to be prefilled after it (`with_question`: in the same final pass).
 
@@ -335,6 +336,11 @@ class BlockRuntime:
         passage: 690 of them at 16K tokens, the main TTFT cost there). Fresh headers act as an accuracy
         recovery switch for plain "block" (they are the only tokens that see across passages besides
         the question); with recomputation they make no measurable difference (docs/results.md).
+        scores (block+recompute, "question" selection with the default ranking: every layer, "mean"): None,
+        or one 1-D tensor per passage (in this order) of the question's attention probability per slot of
+        its header and body, measured over other block caches of the same passages (position
+        debiasing's measurements, `debias.debiased_context`): the windows are ranked by these and the
+        selection pass is not run (a header of another length is aligned by its last tokens).
         Returns (cache, logits of the last computed token (1, 1, vocab) or None when none was computed,
         PrefillStats); `with_question` appends the question to the final pass (see `prefill`).
         Raises ValueError on an unknown mode, header mode or selection, or a ratio outside [0, 1].
@@ -377,7 +383,8 @@ class BlockRuntime:
             spans.append((at if headers == "cached" else start, start + len(body)))
             slot_ids += header + body
         if mode == "block+recompute" and (recompute_ratio > 0 or isinstance(select, tuple)):
-            chosen = self._choose(select, cache, slot_ids, spans, fresh, recompute_ratio, segments.question)
+            chosen = self._choose(select, cache, slot_ids, spans, fresh, recompute_ratio, segments.question,
+                                  scores)
             stats.tokens_recomputed = len(chosen)
             stats.header_tokens_reused -= sum(1 for i in chosen if origin[i] == "header")
             stats.tokens_reused -= sum(1 for i in chosen if origin[i] == "hit")
@@ -403,15 +410,25 @@ class BlockRuntime:
         return self.model(torch.tensor([[slot_ids[i] for i in slots]]), cache.positions[s], cache, slots=s,
                           n_layers=n_layers)
 
-    def _choose(self, select, cache: KVCache, slot_ids, spans, fresh, ratio: float, question: list[int]) -> list[int]:
+    def _choose(self, select, cache: KVCache, slot_ids, spans, fresh, ratio: float, question: list[int],
+                scores=None) -> list[int]:
         """The passage slots block+recompute recomputes (sorted): see `SELECT_METHODS`. spans: (start, end)
-        of each passage (header and body) in the cache; fresh: slots computed in the final pass anyway."""
+        of each passage (header and body) in the cache; fresh: slots computed in the final pass anyway;
+        scores: measured per-passage scores for "question" (see `_assemble`), or None."""
         if isinstance(select, tuple):
             return sorted(i for r in select if r <= len(spans) for i in range(*spans[r - 1]))
         if select == "lead":
             return [i for a, b in spans for i in range(a, a + int(round(ratio * (b - a))))]
         if select == "deviation":
             return self._select(cache, slot_ids, spans, fresh, ratio)
+        if scores is not None and self.select_layers is None and self.select_score == "mean":
+            if len(scores) != len(spans):
+                raise ValueError(f"scores: {len(scores)} passages' scores for {len(spans)} passages")
+            mass = torch.zeros(cache.length)
+            for (a, b), sc in zip(spans, scores):
+                n = min(b - a, len(sc))
+                mass[b - n:b] = sc[len(sc) - n:].float().cpu()
+            return self._top_windows(mass, spans, ratio, self.select_window)
         return self._select_by_question(cache, slot_ids, spans, fresh, ratio, question)
 
     def _select_by_question(self, cache: KVCache, slot_ids, spans, fresh, ratio: float, question: list[int],
@@ -454,6 +471,19 @@ class BlockRuntime:
         finally:
             cache.policy = None
             cache.truncate(length)
+        return self._top_windows(mass, spans, ratio, window)
+
+    def _top_windows(self, mass: torch.Tensor, spans, ratio: float, window: int) -> list[int]:
+        """The "question" selection's choice from per-slot scores `mass` (cache length,): passages cut into
+        windows of `window` tokens from their start, a window's score its slots' sum, the best windows
+        taken until round(ratio x passage tokens) slots are chosen (the last window may be cut); with
+        `select_skip_first`, never the first passage. Returns the chosen slots, sorted."""
+        n_total = sum(b - a for a, b in spans)
+        budget = int(round(ratio * n_total))
+        if budget == 0:
+            return []
+        if budget >= n_total:
+            return [i for a, b in spans for i in range(a, b)]
         windows = []  # (score, start, end)
         for a, b in spans[1:] if self.select_skip_first and len(spans) > 1 else spans:
             for w in range(a, b, window):

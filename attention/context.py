@@ -37,7 +37,8 @@ class Context:
     logits: next-token logits after the last prompt token, (1, 1, vocab); block_stats: the block
     runtime's `PrefillStats` (None for an exact prefill); queries: exact prefill only, layer ->
     (heads, question tokens, head_dim) recorded question queries (fp32); reused_prefill_ms: > 0 when the
-    prefill was a copy of an earlier identical one, which took this long (ms).
+    prefill was a copy of an earlier identical one, which took this long (ms); token_mass: a measured
+    context (`Engine.measure`), the question's attention per cache slot, (L,) on the CPU.
     """
 
     prompt: PromptSegments
@@ -46,6 +47,7 @@ class Context:
     block_stats: object = None
     queries: dict | None = None
     reused_prefill_ms: float = 0.0
+    token_mass: torch.Tensor | None = None
 
 
 @dataclass

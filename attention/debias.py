@@ -276,10 +276,11 @@ class DebiasKV:
         return out.reshape(b, hq, nq, d).to(q.dtype)
 
 
-def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor) -> torch.Tensor:
+def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor, tokens: bool = False):
     """Attention mass from the question to each passage: (k,) float, mean over global layers, heads and
     question tokens, on the CPU. queries: layer -> (hq, T, d) recorded question queries at cache slots
-    q_slots (T,).
+    q_slots (T,). tokens: also return the same mean per cache slot, (L,) on the CPU (what the "question"
+    recompute selection ranks: `block_attention.token_mass`): ((k,), (L,)).
 
     Computed with its own einsum, not through `kernels.dispatch` (the documented exception, as for
     `DebiasKV`): it needs the attention probabilities themselves, summed per passage span, which no
@@ -288,6 +289,7 @@ def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor) -> t
     cfg = model.cfg
     masses = []
     pos = cache.positions
+    total = 0
     for layer, q in queries.items():
         keys = cache.keys(layer)[0].float()  # (hkv, L, d)
         hkv, L, d = keys.shape
@@ -296,7 +298,9 @@ def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor) -> t
         causal = pos[None, :L] <= pos[q_slots][:, None]  # (T, L)
         p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).mean(dim=(0, 1, 2))  # (L,)
         masses.append(torch.stack([p[a:b].sum() for a, b in spans]))
-    return torch.stack(masses).mean(0).cpu()  # on the CPU, with the bias curves it is compared with
+        total = total + p
+    mass = torch.stack(masses).mean(0).cpu()  # on the CPU, with the bias curves it is compared with
+    return (mass, (total / len(queries)).cpu()) if tokens else mass
 
 
 def calibrated_relevance(mass: torch.Tensor, bias: torch.Tensor, form: str = "difference") -> torch.Tensor:
@@ -408,15 +412,16 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     """
     t0 = time.perf_counter()
     passes = 1
+    given = list(passages)
     ctx, mass = measure(passages)
     first = ctx  # block modes: the build that met the store as the question found it
     reused = ctx.reused_prefill_ms
     out = DebiasStats()
     method = cfg.method
 
-    def build_final(ps, policy=None):  # one more context build, counted
+    def build_final(ps, policy=None, scores=None):  # one more context build, counted
         nonlocal reused, passes
-        c = build(ps) if policy is None else build(ps, policy)
+        c = build(ps) if policy is None and scores is None else build(ps, policy, scores)
         reused += c.reused_prefill_ms
         passes += 1
         return c
@@ -459,14 +464,17 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
                 final = True
         log_w = log_weights(rel, measured, cfg.strength, form, bias=bias)
         intervene = bool(log_w.any())  # all zero (strength 0, equal relevance): nothing to change
+        scores = None
+        if rebuild and prompt is not None:  # block+recompute's selection ranks by what was measured
+            scores = measured_scores(first, rctx, given, passages)
         if final and intervene and prompt is not None:  # the question computed once, under the intervention
             segments = prompt(passages)
             ctx = build_final(passages, DebiasKV(
                 log_w=slot_bias(passage_spans(segments), log_w, len(segments) + max_new + CAPACITY_SLACK),
-                scale=model.cfg.attn_scale, bias_from=len(segments) - len(segments.question)))
+                scale=model.cfg.attn_scale, bias_from=len(segments) - len(segments.question)), scores)
             intervene = False
         elif final:
-            ctx = build_final(passages)
+            ctx = build_final(passages, scores=scores)
         if intervene:  # the question recomputed in place under the intervention
             L = ctx.cache.length
             n_q = len(ctx.prompt.question)
@@ -496,10 +504,37 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     return ctx, passages, out
 
 
+def measured_scores(first, reversed_ctx, given: list, final: list) -> list[torch.Tensor] | None:
+    """The question's attention to each slot of each passage (header and body) as measured, for
+    block+recompute's selection over the final order (`BlockRuntime.prefill`'s scores): one 1-D tensor per
+    passage of `final`, the mean of the measurements in the given order (`first`) and, when there is one,
+    the reversed order (`reversed_ctx`), so that the slots' position bias mostly cancels, as it does in
+    the passages' calibrated relevance. A header of another length in the two orders ("Passage [10]")
+    is aligned by its last tokens. None when a context carries no per-slot measurement. Passages are
+    matched by identity (`given` holds the objects `final` reorders)."""
+    if first.token_mass is None or (reversed_ctx is not None and reversed_ctx.token_mass is None):
+        return None
+    k = len(given)
+    spans = passage_spans(first.prompt)
+    rspans = passage_spans(reversed_ctx.prompt) if reversed_ctx is not None else None
+    out = []
+    for p in final:
+        i = next(j for j, g in enumerate(given) if g is p)
+        a, b = spans[i]
+        sc = first.token_mass[a:b].clone()
+        if rspans is not None:
+            ra, rb = rspans[k - 1 - i]
+            n = min(b - a, rb - ra)
+            sc[len(sc) - n:] = (sc[len(sc) - n:] + reversed_ctx.token_mass[rb - n:rb]) / 2
+        out.append(sc)
+    return out
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
 __all__ = ["METHODS", "MEASURE_ORDERS", "CALIBRATION_FORMS", "CALIBRATION", "STRENGTH", "DebiasKV",
            "passage_spans", "passage_mass", "calibrated_relevance", "two_order_relevance", "log_weights",
-           "slot_bias", "reorder_for_bias", "sort_order", "DebiasConfig", "DebiasStats", "debiased_context"]
+           "slot_bias", "reorder_for_bias", "sort_order", "measured_scores", "DebiasConfig", "DebiasStats",
+           "debiased_context"]

@@ -222,18 +222,20 @@ class Engine:
             out.context, out.passages, out.stats = debiased_context(
                 model, passages, debias, max_new,
                 measure=lambda ps: self.measure(ps, build, measured, cfg.block, max_new),
-                build=lambda ps, policy=None: self.build_context(ps, build, mode, cfg.block, max_new, policy),
+                build=lambda ps, policy=None, scores=None: self.build_context(ps, build, mode, cfg.block, max_new,
+                                                                             policy, scores=scores),
                 bias_curve=lambda k: self.bias_curve(k, measured, block_headers=cfg.block.headers), rebuild=cheap,
                 prompt=build if mode.startswith("block") else None)
         return out
 
     # ------------------------------------------------------------------------------ the pieces
     def build_context(self, passages: list, build, mode: str, block: BlockConfig, max_new: int, policy=None,
-                      theta_scale: float = 1.0) -> Context:
+                      theta_scale: float = 1.0, scores=None) -> Context:
         """Prefill the prompt `build(passages)` in attention `mode` ("full"/"retrieval": one exact pass;
         "block"/"block+recompute": assembled from stored blocks with the resolved `block` settings) with
         `policy` as the cache's hook. "full" without a policy is the memoized exact prefill
-        (`context.exact_prefill`, the global layers' RoPE base times `theta_scale`). Returns a Context."""
+        (`context.exact_prefill`, the global layers' RoPE base times `theta_scale`). scores: block+recompute's
+        measured per-passage selection scores (`BlockRuntime.prefill`), or None. Returns a Context."""
         model = self.llm.model
         prompt = build(passages)
         if mode == "full" and policy is None:
@@ -245,7 +247,8 @@ class Engine:
         cache, logits, stats = self.block_runtime.prefill(
             prompt, [getattr(p, "chunk_id", None) for p in passages], mode=mode,
             recompute_ratio=block.recompute_ratio or 0.0, extra_capacity=max_new + CAPACITY_SLACK,
-            policy=policy, headers=block.headers or DEFAULT_HEADERS, select=block.select or DEFAULT_SELECT)
+            policy=policy, headers=block.headers or DEFAULT_HEADERS, select=block.select or DEFAULT_SELECT,
+            scores=scores)
         return Context(prompt, cache, logits, stats)
 
     def measure(self, passages: list, build, mode: str, block: BlockConfig, max_new: int, theta_scale: float = 1.0):
@@ -265,7 +268,8 @@ class Engine:
             ctx.cache.policy = None
             queries = rec.queries
         L = ctx.cache.length
-        mass = passage_mass(model, ctx.cache, queries, passage_spans(ctx.prompt), torch.arange(L - n_q, L))
+        mass, ctx.token_mass = passage_mass(model, ctx.cache, queries, passage_spans(ctx.prompt),
+                                            torch.arange(L - n_q, L), tokens=True)
         return ctx, mass
 
     def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,

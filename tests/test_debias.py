@@ -557,6 +557,7 @@ def test_final_build_computes_the_question_under_the_intervention_in_its_own_pas
             steps.append(llm.model(torch.tensor([[t]]), torch.tensor([ctx.cache.next_position()]), ctx.cache)[0, -1])
         return out, torch.stack(steps), list(calls)
 
+    monkeypatch.setattr(D, "measured_scores", lambda *a: None)  # both runs rank by their own selection pass
     merged, merged_logits, merged_calls = run()
     plain = D.debiased_context
     monkeypatch.setattr(D, "debiased_context", lambda *a, **k: plain(*a, **{**k, "prompt": None}))
@@ -568,3 +569,53 @@ def test_final_build_computes_the_question_under_the_intervention_in_its_own_pas
     n_q = len(build(PASSAGES).question)
     merged_calls, separate_calls = merged_calls[:-3], separate_calls[:-3]  # the passes before decoding
     assert len(merged_calls) == len(separate_calls) - 1 and separate_calls[-1] == n_q
+
+
+def test_measured_scores_average_the_two_orders_per_passage_in_the_final_order():
+    from types import SimpleNamespace
+
+    from ldqa.attention.segments import PromptSegments
+
+    a, b, c = object(), object(), object()
+    # given order a b c: spans (1, 4) (4, 6) (6, 10); reversed c b a: c's header one token longer
+    given = SimpleNamespace(prompt=PromptSegments([0], [[1], [1], [1]], [[5, 5], [6], [7, 7, 7]], [9]),
+                            token_mass=torch.arange(11, dtype=torch.float))
+    rev = SimpleNamespace(prompt=PromptSegments([0], [[1, 1], [1], [1]], [[7, 7, 7], [6], [5, 5]], [9]),
+                          token_mass=100 + torch.arange(11, dtype=torch.float))
+    out = D.measured_scores(given, rev, [a, b, c], [c, a, b])
+    # c: given slots 6-9, reversed slots 1-5 (header 2 tokens): aligned by the last 4
+    torch.testing.assert_close(out[0], (torch.tensor([6., 7, 8, 9]) + torch.tensor([102., 103, 104, 105])) / 2)
+    torch.testing.assert_close(out[1], (torch.tensor([1., 2, 3]) + torch.tensor([108., 109, 110])) / 2)  # a
+    torch.testing.assert_close(out[2], (torch.tensor([4., 5]) + torch.tensor([106., 107])) / 2)  # b
+    assert [len(x) for x in D.measured_scores(given, None, [a, b, c], [b])] == [2]
+    assert D.measured_scores(SimpleNamespace(prompt=given.prompt, token_mass=None), None, [a], [a]) is None
+
+
+def test_block_recompute_debiased_selection_ranks_by_the_measured_attention(tiny_qa, monkeypatch):
+    """With calibrate+reorder, block+recompute's final build ranks the windows by the question's attention
+    measured over the two block orders (no selection pass of its own): the measurement passes and the one
+    final pass; the slots it recomputes are the best windows of those scores."""
+    from ldqa.attention.block_attention import BlockRuntime
+
+    q = "What torque for the fan hub bolts?"
+    tiny_qa.answer(q, PASSAGES, attention="block+recompute", debias="calibrate+reorder")  # blocks and curve
+    seen = {}
+    top = BlockRuntime._top_windows
+
+    def spy(self, mass, spans, ratio, window):
+        seen["mass"], seen["spans"] = mass.clone(), list(spans)
+        seen["chosen"] = top(self, mass, spans, ratio, window)
+        return seen["chosen"]
+
+    def no_pass(*a, **k):
+        raise AssertionError("the selection pass ran")
+
+    monkeypatch.setattr(BlockRuntime, "_top_windows", spy)
+    monkeypatch.setattr(BlockRuntime, "_select_by_question", no_pass)
+    ans = tiny_qa.answer(q, PASSAGES, attention="block+recompute", debias="calibrate+reorder")
+    assert ans.timings["tokens_recomputed"] == len(seen["chosen"]) > 0
+    assert all(seen["mass"][a:b].sum() > 0 for a, b in seen["spans"])  # every passage scored, as measured
+    # without debiasing there is no measurement: the selection pass runs
+    with pytest.raises(AssertionError, match="selection pass ran"):
+        tiny_qa.answer(q, PASSAGES, attention="block+recompute", debias="none")
+

@@ -11,7 +11,9 @@ Variants (--variants, comma-separated):
   question@R/K=V[,K=V]      the same with the selection's settings (`BlockRuntime`): layers=L ranks by
                             the first L layers only (the selection pass stops there), window=W tokens,
                             score=mean|max|last (`block_attention.SELECT_SCORES`), skip_first=1 never
-                            chooses the first passage
+                            chooses the first passage; measured=1 (--part kl) ranks by the question's
+                            attention measured over the plain block cache in two other orders (a seeded
+                            shuffle and its reverse), as block+recompute does under calibrate+reorder
   oracle                    block+recompute of the gold passage whole (the answer's passage), nothing else
 Recomputing every token (e.g. question@1.0) must give full attention's answers: `same_as_full` says how
 many do. The passages' blocks are stored before a question's variants run, so every TTFT is warm. Per variant: EM by gold position, the paired difference from full (points, SE), answers that
@@ -63,6 +65,8 @@ def parse_variant(spec: str) -> dict:
                 settings["select_score"] = v
             elif k == "skip_first" and v in ("0", "1"):
                 settings["select_skip_first"] = v == "1"
+            elif k == "measured" and v in ("0", "1"):
+                settings["measured"] = v == "1"
             else:
                 raise ValueError
     except ValueError:
@@ -71,7 +75,7 @@ def parse_variant(spec: str) -> dict:
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
-                     "question@R/layers=L,window=W,score=S,skip_first=0|1")
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1")
 
 
 SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first")  # what a variant may set
@@ -211,6 +215,34 @@ def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: i
             "full_over_variant": {v: med["full"] / m for v, m in med.items() if v != "full"}}
 
 
+def measured(qa, ps: list, question: str, chat, rng: random.Random) -> list:
+    """The selection scores block+recompute gets under calibrate+reorder (`debias.measured_scores`), for the
+    passages `ps` in their order: the question's attention per slot over the plain block cache with the
+    passages in a shuffled order and in its reverse, averaged per passage."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ldqa.app.api import _build_prompt
+    from ldqa.attention.block_attention import DEFAULT_HEADERS
+    from ldqa.attention.debias import DebiasKV, measured_scores, passage_mass, passage_spans
+
+    model, rt = qa.llm.model, qa.engine.block_runtime
+    order = list(range(len(ps)))
+    rng.shuffle(order)
+    ctxs = []
+    for o in (order, order[::-1]):
+        seg = _build_prompt(qa.llm.tokenizer, [ps[i] for i in o], question,
+                            SimpleNamespace(instruction=None, answer_prefix=None), chat)
+        rec = DebiasKV(n_record=len(seg.question), scale=model.cfg.attn_scale)
+        c, _, _ = rt.prefill(seg, [None] * len(ps), mode="block", policy=rec, headers=DEFAULT_HEADERS)
+        L = c.length
+        _, tokens = passage_mass(model, c, rec.queries, passage_spans(seg), torch.arange(L - len(seg.question), L),
+                                 tokens=True)
+        ctxs.append(SimpleNamespace(prompt=seg, token_mass=tokens))
+    return measured_scores(ctxs[0], ctxs[1], [ps[i] for i in order], ps)
+
+
 def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: int) -> dict:
     """How close each variant's next-token distributions come to full attention's, without generating:
     for each question of `idx` (gold at 1, 5, 10 in turn), full attention answers greedily for
@@ -250,10 +282,13 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
                 kw = parse_variant(spec)
                 mode = kw["attention"]
                 select = (pos,) if kw.get("recompute_select") == "oracle" else kw.get("recompute_select", "question")
+                scores = measured(qa, ps, ex["question"], chat, random.Random(f"{seed}-{i}")) if kw.pop(
+                    "measured", False) else None
                 with selection(qa, kw):
                     c, last, stats = rt.prefill(seg, [None] * len(ps), mode=mode,
                                                 recompute_ratio=kw.get("recompute_ratio", 0.0),
-                                                extra_capacity=m + 8, headers=DEFAULT_HEADERS, select=select)
+                                                extra_capacity=m + 8, headers=DEFAULT_HEADERS, select=select,
+                                                scores=scores)
                 rest = model(torch.tensor([ys[:-1]]), torch.arange(c.length, c.length + m - 1), c, all_logits=True)[0]
                 lp = torch.log_softmax(torch.cat([last[0], rest]).float(), -1)
                 kl, agree = kl_agreement(lp_full, lp)
@@ -294,6 +329,8 @@ def main(argv=None) -> int:
         parse_variant(v)
     if "full" not in variants:
         raise SystemExit("--variants must include full (every variant is paired with it)")
+    if args.part != "kl" and any(parse_variant(v).get("measured") for v in variants):
+        raise SystemExit("measured=1 is a setting of --part kl only")
     positions = [int(p) for p in args.positions.split(",")]
     if args.part == "accuracy" and any(not 1 <= p <= args.passages for p in positions):
         raise SystemExit(f"--positions {args.positions}: each must be in 1..{args.passages}")
