@@ -79,7 +79,7 @@ import torch
 from ldqa.attention.choices import CALIBRATION_FORMS, DEBIAS_METHODS, DEBIAS_ORDERS
 from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.segments import passage_spans
-from ldqa.kernels import dispatch
+from ldqa.kernels import cpu_linear, dispatch
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,8 @@ class DebiasKV:
     Exception to "all attention goes through `kernels.dispatch`": the biased attention is computed here
     with einsum in fp32, because no dispatch kernel takes an additive per-key bias, and it only ever
     runs for the question's T tokens (recomputed in place) and one token per decode step on the global
-    layers, where its cost is (T x L) scores per layer, small next to the prefill it follows.
+    layers, where its cost is (T x L) scores per layer, small next to the prefill it follows. A decode
+    step on the CPU (fp32) runs ldqa's C decode attention with the bias (`cpu_linear.decode_attention`).
     """
 
     n_record: int = 0
@@ -266,6 +267,9 @@ class DebiasKV:
         n = min(L, self.log_w.shape[0])
         bias[:n] = self.log_w[:n]
         mask = k_pos[None, :] <= q_pos[:, None]  # (n, L) causal by position
+        if q.shape[2] == 1 and cpu_linear.decode_attention_fits(q, k, v, None) and bool(mask.all()):
+            # a decode step on the CPU: the C kernel with the bias added to its scores (same result)
+            return cpu_linear.decode_attention(q, k, v, None, self.scale, bias)
         add = torch.where(mask, bias[None, :], float("-inf"))  # (n, L)
         b, hq, nq, d = q.shape
         hkv = k.shape[1]

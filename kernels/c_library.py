@@ -95,6 +95,8 @@ def _build() -> ctypes.CDLL:
     lib.ldqa_decode_attn_out.restype = ctypes.c_int
     lib.ldqa_decode_attention.argtypes = [p, p, p, i64, i64, i64, i64, i64, p, f32, p, i32]
     lib.ldqa_decode_attention.restype = ctypes.c_int
+    lib.ldqa_decode_attention_biased.argtypes = [p, p, p, i64, i64, i64, i64, i64, p, p, f32, p, i32]
+    lib.ldqa_decode_attention_biased.restype = ctypes.c_int
     lib.ldqa_decode_stack.argtypes = [p, i64, p, i64, i64, i64, i64, f32, i64, i64, f32, i32]
     lib.ldqa_decode_stack.restype = ctypes.c_int
     lib.ldqa_argmax.argtypes = [p, i64]

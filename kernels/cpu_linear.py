@@ -404,15 +404,17 @@ def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
+                     scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of one decode token over a KV cache in one C call (`decode_attention.c`).
 
     q: (1, heads, 1, d) float32; k, v: (1, kv_heads, L, d) float32 with contiguous rows (a slice
     `cache[:, :, lo:hi]` of the cache is taken as is, no copy); mask: (L,) or (1, L) bool, True = may
-    attend, or None; scale multiplies q.k. Query head h reads KV head h // (heads // kv_heads).
-    Returns (1, heads, 1, d) float32; a row with no allowed key is zeros. Same result as
-    `reference.attention` up to fp32 summation order (tests/test_cpu_linear.py). Call only where
-    `decode_attention_fits`; raises ValueError/MemoryError when the kernel refuses.
+    attend, or None; scale multiplies q.k; bias: None or (L,) float32, added to every head's score of
+    key j (an additive attention bias: position debiasing's log weights, `debias.DebiasKV`). Query head h
+    reads KV head h // (heads // kv_heads). Returns (1, heads, 1, d) float32; a row with no allowed key is
+    zeros. Same result as `reference.attention` (softmax(q.k * scale + bias)) up to fp32 summation order
+    (tests/test_cpu_linear.py). Call only where `decode_attention_fits`; raises ValueError/MemoryError
+    when the kernel refuses, ValueError for a bias of another length or dtype.
     """
     lib = _lib()
     _, h, _, d = q.shape
@@ -420,7 +422,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     q = q.contiguous()
     out = torch.empty(1, h, 1, d, dtype=torch.float32)
     mptr = None if mask is None else mask.data_ptr()
-    rc = _run("ldqa::decode_attention", lib.ldqa_decode_attention, q.data_ptr(), k.data_ptr(), v.data_ptr(), h, kvh,
-              L, d, k.stride(1), mptr, scale, out.data_ptr(), torch.get_num_threads())
+    if bias is None:
+        rc = _run("ldqa::decode_attention", lib.ldqa_decode_attention, q.data_ptr(), k.data_ptr(), v.data_ptr(), h,
+                  kvh, L, d, k.stride(1), mptr, scale, out.data_ptr(), torch.get_num_threads())
+    else:
+        if bias.dtype != torch.float32 or bias.numel() != L or bias.device.type != "cpu":
+            raise ValueError(f"decode_attention: bias must be ({L},) float32 on the CPU, got {tuple(bias.shape)} "
+                             f"{bias.dtype} on {bias.device}")
+        bias = bias.contiguous()
+        rc = _run("ldqa::decode_attention", lib.ldqa_decode_attention_biased, q.data_ptr(), k.data_ptr(),
+                  v.data_ptr(), h, kvh, L, d, k.stride(1), mptr, bias.data_ptr(), scale, out.data_ptr(),
+                  torch.get_num_threads())
     _check(rc, "decode_attention")
     return out

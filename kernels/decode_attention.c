@@ -5,9 +5,11 @@
  *   k, v (KV, L, d) with row stride d and head stride `hs` (a slice of the KV cache (1, KV, capacity, d):
  *                                    hs = capacity * d), d contiguous
  *   mask (L,) uint8 or NULL          1 = may attend (shared by every head); NULL = attend to all
+ *   bias (L,) float or NULL          added to every head's score of key j (`ldqa_decode_attention_biased`:
+ *                                    position debiasing's per-passage log weights, attention/debias.py)
  *   out  (H, d)
- * Query head h reads KV head h / (H / KV). Scores are q.k * scale, softmax in fp32, rows with no allowed
- * key give zeros (as the torch reference, kernels/reference.attention).
+ * Query head h reads KV head h / (H / KV). Scores are q.k * scale (+ bias), softmax in fp32, rows with no
+ * allowed key give zeros (as the torch reference, kernels/reference.attention).
  *
  * Each key and value row is read once for all the g = H / KV query heads that share it (GQA): the cost is
  * reading L * d * 8 bytes per KV head. Two parallel loops (OpenMP, `threads`): the scores over keys, then
@@ -125,7 +127,7 @@ static inline float hsum512(__m512 v) {
 
 #define ATTEND_TILED(NAME, G, NV, W)                                                                                   \
     static void NAME(const float *qh, const float *kh, const float *vh, int64_t L, int64_t d,                          \
-                     const uint8_t *mask, float scale, float *part, int64_t nch, int nt) {                             \
+                     const uint8_t *mask, const float *bias, float scale, float *part, int64_t nch, int nt) {          \
         _Pragma("omp parallel for schedule(static) num_threads(nt)")                                                   \
         for (int64_t ch = 0; ch < nch; ch++) {                                                                         \
             const int64_t j0 = ch * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;                                       \
@@ -152,9 +154,11 @@ static inline float hsum512(__m512 v) {
                         }                                                                                              \
                     }                                                                                                  \
                     for (int r = 0; r < G; r++) {                                                                      \
-                        s[r * TILE + p] = mask && !mask[a + p] ? -INFINITY : VHSUM_##W(a0[r]) * scale;                 \
+                        s[r * TILE + p] = mask && !mask[a + p] ? -INFINITY                                             \
+                                          : VHSUM_##W(a0[r]) * scale + (bias ? bias[a + p] : 0.0f);                    \
                         if (p + 1 < nk)                                                                                \
-                            s[r * TILE + p + 1] = mask && !mask[a + p + 1] ? -INFINITY : VHSUM_##W(a1[r]) * scale;     \
+                            s[r * TILE + p + 1] = mask && !mask[a + p + 1] ? -INFINITY                                 \
+                                                  : VHSUM_##W(a1[r]) * scale + (bias ? bias[a + p + 1] : 0.0f);        \
                     }                                                                                                  \
                 }                                                                                                      \
                 for (int r = 0; r < G; r++)                                                                            \
@@ -258,7 +262,7 @@ static void merge_parts(const float *part, int64_t np, int64_t g, int64_t d, flo
 
 /* any g <= MAX_GROUP: sums in memory */
 static void scores_any(const float *qh, const float *kh, int64_t L, int64_t d, int64_t g, const uint8_t *mask,
-                       float scale, float *s, int threads) {
+                       const float *bias, float scale, float *s, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < L; j++) {
         if (mask && !mask[j]) {
@@ -272,7 +276,7 @@ static void scores_any(const float *qh, const float *kh, int64_t L, int64_t d, i
             const __m256 kv8 = _mm256_loadu_ps(kj + i);
             for (int64_t r = 0; r < g; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + r * d + i), kv8, acc[r]);
         }
-        for (int64_t r = 0; r < g; r++) s[j * g + r] = hsum256(acc[r]) * scale;
+        for (int64_t r = 0; r < g; r++) s[j * g + r] = hsum256(acc[r]) * scale + (bias ? bias[j] : 0.0f);
     }
 }
 
@@ -303,8 +307,9 @@ static void values_any(const float *s, const float *vh, int64_t L, int64_t d, in
     }
 }
 
-int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_t H, int64_t KV, int64_t L,
-                          int64_t d, int64_t hs, const uint8_t *mask, float scale, float *out, int threads) {
+int ldqa_decode_attention_biased(const float *q, const float *k, const float *v, int64_t H, int64_t KV, int64_t L,
+                                 int64_t d, int64_t hs, const uint8_t *mask, const float *bias, float scale,
+                                 float *out, int threads) {
     if (KV <= 0 || H % KV || H / KV > MAX_GROUP || d % 8) return 1;
     const int64_t g = H / KV;
     /* the tiled pass (g <= 8) takes d in slices of 8 * TILED_NV(g) dims; at most one thread per chunk */
@@ -316,7 +321,7 @@ int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_
         if (!part) return 2;
         /* the pass compiled for this g: 16-float vectors where built and d takes their slices */
         typedef void (*attend_fn)(const float *, const float *, const float *, int64_t, int64_t, const uint8_t *,
-                                  float, float *, int64_t, int);
+                                  const float *, float, float *, int64_t, int);
         static const attend_fn tiled[8] = {attend_1, attend_2, attend_3, attend_4,
                                            attend_5, attend_6, attend_7, attend_8};
         attend_fn attend = tiled[g - 1];
@@ -326,7 +331,7 @@ int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_
         if (d % (16 * TILED512_NV(g)) == 0) attend = tiled512[g - 1];
 #endif
         for (int64_t kvh = 0; kvh < KV; kvh++) {
-            attend(q + kvh * g * d, k + kvh * hs, v + kvh * hs, L, d, mask, scale, part, nch, nt);
+            attend(q + kvh * g * d, k + kvh * hs, v + kvh * hs, L, d, mask, bias, scale, part, nch, nt);
             merge_parts(part, nch, g, d, out + kvh * g * d);
         }
         free(part);
@@ -337,10 +342,15 @@ int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_
     for (int64_t kvh = 0; kvh < KV; kvh++) {
         const float *kh = k + kvh * hs, *vh = v + kvh * hs, *qh = q + kvh * g * d;
         float inv[MAX_GROUP];
-        scores_any(qh, kh, L, d, g, mask, scale, s, threads);
+        scores_any(qh, kh, L, d, g, mask, bias, scale, s, threads);
         softmax_columns(s, L, g, inv);
         values_any(s, vh, L, d, g, mask, inv, out + kvh * g * d, threads);
     }
     free(s);
     return 0;
+}
+
+int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_t H, int64_t KV, int64_t L,
+                          int64_t d, int64_t hs, const uint8_t *mask, float scale, float *out, int threads) {
+    return ldqa_decode_attention_biased(q, k, v, H, KV, L, d, hs, mask, NULL, scale, out, threads);
 }

@@ -213,6 +213,18 @@ def test_decode_attention_matches_the_reference(heads, kv_heads, L, d, threads):
             # the model's entry point takes this path
             assert torch.equal(dispatch.attention(q, k, v, mask=mask, scale=0.07), got)
         assert torch.equal(C.decode_attention(q, k, v, torch.zeros(1, L, dtype=torch.bool), 0.07), torch.zeros_like(q))
+        # an additive bias per key (position debiasing's log weights): softmax(q.k * scale + bias)
+        bias = torch.randn(L, generator=g) * 2
+        for mask in (None, some):
+            scores = torch.einsum("hgd,hld->hgl", q[0, :, 0].view(kv_heads, -1, d), k[0]) * 0.07 + bias
+            if mask is not None:
+                scores = scores.masked_fill(~mask.view(1, 1, L), float("-inf"))
+            want = torch.einsum("hgl,hld->hgd", torch.softmax(scores, -1), v[0]).reshape(1, heads, 1, d)
+            got = C.decode_attention(q, k, v, mask, 0.07, bias)
+            assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), mask
+        assert torch.equal(C.decode_attention(q, k, v, None, 0.07, torch.zeros(L)), C.decode_attention(q, k, v, None, 0.07))
+        with pytest.raises(ValueError, match="bias"):
+            C.decode_attention(q, k, v, None, 0.07, torch.zeros(L + 1))
     finally:
         torch.set_num_threads(old)
 

@@ -619,3 +619,24 @@ def test_block_recompute_debiased_selection_ranks_by_the_measured_attention(tiny
     with pytest.raises(AssertionError, match="selection pass ran"):
         tiny_qa.answer(q, PASSAGES, attention="block+recompute", debias="none")
 
+
+def test_biased_decode_step_takes_the_c_kernel_with_the_einsum_paths_result(monkeypatch):
+    from ldqa.kernels import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("no C kernel on this machine")
+    g = torch.Generator().manual_seed(3)
+    L = 300
+    q, k, v = torch.randn(1, 12, 1, 64, generator=g), torch.randn(1, 2, L, 64, generator=g), torch.randn(1, 2, L, 64, generator=g)
+    hook = D.DebiasKV(log_w=torch.randn(L + 20, generator=g), scale=0.125)
+    pos = torch.tensor([L - 1]), torch.arange(L)
+    calls = []
+    kernel = cpu_linear.decode_attention
+    monkeypatch.setattr(cpu_linear, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    fast = hook.forward(0, q, k, v, *pos, None)
+    assert calls == [1]
+    monkeypatch.setattr(cpu_linear, "decode_attention_fits", lambda *a: False)
+    slow = hook.forward(0, q, k, v, *pos, None)
+    assert calls == [1]
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    assert (slow - D.DebiasKV(log_w=torch.zeros(L + 20), scale=0.125).forward(0, q, k, v, *pos, None)).abs().max() > 1e-2
