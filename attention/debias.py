@@ -263,9 +263,7 @@ class DebiasKV:
                 return early
             return torch.cat([early, self.forward(layer, q[:, :, n0:], k, v, q_pos[n0:], k_pos, slots)], dim=2)
         L = k.shape[2]
-        bias = torch.zeros(L, device=k.device)
-        n = min(L, self.log_w.shape[0])
-        bias[:n] = self.log_w[:n]
+        bias = self.decode_bias(L).to(k.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # (n, L) causal by position
         if q.shape[2] == 1 and cpu_linear.decode_attention_fits(q, k, v, None) and bool(mask.all()):
             # a decode step on the CPU: the C kernel with the bias added to its scores (same result)
@@ -278,6 +276,17 @@ class DebiasKV:
         p = torch.softmax(s, dim=-1)
         out = torch.einsum("bhgnl,bhld->bhgnd", p, v.float())  # (b, hkv, g, n, d)
         return out.reshape(b, hq, nq, d).to(q.dtype)
+
+
+    def decode_bias(self, length: int) -> torch.Tensor:
+        """The additive score bias of the first `length` cache slots, (length,) float32 on the CPU: log_w
+        (zeros past its end, or everywhere without one). A decode step's attention under this hook is the
+        layer's own plus this bias, so the one-C-call decode step (`decode_runner.CStep`) runs it."""
+        bias = torch.zeros(length)
+        if self.log_w is not None:
+            n = min(length, self.log_w.shape[0])
+            bias[:n] = self.log_w[:n].float().cpu()
+        return bias
 
 
 def passage_mass(model, cache, queries: dict, spans, q_slots: torch.Tensor, tokens: bool = False):

@@ -101,11 +101,15 @@ class CStep(CLayers):
     def step(self, model, tokens, positions, cache):
         """One decode token through every layer in one C call -> logits (1, 1, vocab), or None when this step
         needs the per-layer path: more than one token, no cache or a cache that is not a plain fp32 KVCache
-        of one sequence on the CPU, a policy on it (retrieval attention, debiasing), LDQA_KERNELS=torch, or
-        cached positions that are not ascending with the new one after them (then a mask is needed, which
-        the stack does not take). Where it runs, every layer attends to all cached keys (global layers) or
-        the last `sliding_window` positions (sliding layers), as the per-layer path does."""
-        if (tokens.shape != (1, 1) or type(cache) is not KVCache or cache.policy is not None
+        of one sequence on the CPU, a policy on it whose decode attention is not the layers' own plus a
+        per-slot bias (retrieval attention; a policy with `decode_bias(length) -> (length,) float32` on its
+        global layers, such as debiasing's `DebiasKV`, runs here), LDQA_KERNELS=torch, or cached positions
+        that are not ascending with the new one after them (then a mask is needed, which the stack does not
+        take). Where it runs, every layer attends to all cached keys (global layers) or the last
+        `sliding_window` positions (sliding layers), as the per-layer path does."""
+        decode_bias = getattr(cache.policy, "decode_bias", None) if cache is not None else None
+        if (tokens.shape != (1, 1) or type(cache) is not KVCache
+                or (cache.policy is not None and decode_bias is None)
                 or positions.numel() != 1 or cache._k[0].dtype != torch.float32 or cache._k[0].shape[0] != 1
                 or cache._k[0].device.type != "cpu" or not cache._k[0].is_contiguous()
                 or dispatch._forced() == "torch"):
@@ -123,7 +127,11 @@ class CStep(CLayers):
         rope = model.rope_tables(positions, cache.theta_scale, torch.float32, range(len(self.fused)))
         per_layer = [(cos.contiguous(), sin.contiguous()) for cos, sin in rope]  # (1, head_dim) each
         lo = [lo_sliding if kind == "sliding" else 0 for kind in self.cfg.layer_types]
-        self.stack.run(x, cache._k, cache._v, per_layer, lo, n0)
+        bias = None
+        if decode_bias is not None:  # the policy's hook runs on the global layers only (`Attention.attend`)
+            b = decode_bias(n0 + 1).float().contiguous()
+            bias = [b if kind == "full" else None for kind in self.cfg.layer_types]
+        self.stack.run(x, cache._k, cache._v, per_layer, lo, n0, bias)
         cache.advance(1)
         return model.lm_head(model.model.norm(x)).float()  # (1, 1, vocab)
 

@@ -331,13 +331,14 @@ class DecodeLayer:
 class StackLayer(ctypes.Structure):
     """One layer's part of `ldqa_decode_stack` (`ldqa_layer` in q8_0.c): the weights and norms of a
     `DecodeLayer`, and per step the layer's KV cache (k_cache, v_cache: (kv_heads, capacity, head_dim)
-    float32), RoPE cos/sin (head_dim,) float32 at the token's position, and lo, the first slot attended."""
+    float32), RoPE cos/sin (head_dim,) float32 at the token's position, lo, the first slot attended, and
+    attn_bias, (slot + 1,) float32 added to the attention scores of each cache slot, or NULL."""
     _fields_ = [("norm_w", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("qnorm_w", ctypes.c_void_p), ("knorm_w", ctypes.c_void_p), ("wo", ctypes.c_void_p),
                 ("attn_norm_w", ctypes.c_void_p), ("ff_norm_w", ctypes.c_void_p), ("ff_out_norm_w", ctypes.c_void_p),
                 ("gu", ctypes.c_void_p), ("inter", ctypes.c_int64), ("act", ctypes.c_int64), ("wd", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("cos", ctypes.c_void_p),
-                ("sin", ctypes.c_void_p), ("lo", ctypes.c_int64)]
+                ("sin", ctypes.c_void_p), ("lo", ctypes.c_int64), ("attn_bias", ctypes.c_void_p)]
 
 
 class DecodeStack:
@@ -367,14 +368,23 @@ class DecodeStack:
         self.scale = scale
         self._fn = _lib().ldqa_decode_stack
 
-    def run(self, x: torch.Tensor, k_caches: list, v_caches: list, rope: list, lo: list, slot: int) -> None:
+    def run(self, x: torch.Tensor, k_caches: list, v_caches: list, rope: list, lo: list, slot: int,
+            bias: list | None = None) -> None:
         """x: (..., hidden) float32 contiguous holding the token's hidden state entering layer 0; changed in
         place to the one leaving the last layer. k_caches[i], v_caches[i]: layer i's cache (1, kv_heads,
         capacity, head_dim) float32 contiguous; rope[i]: (cos, sin) float32 contiguous head_dim values;
         lo[i]: first slot attended (0 <= lo <= slot); slot: where the token's k, v are written
-        (< capacity). Raises ValueError/MemoryError when the kernel refuses."""
-        for c, k, v, (cos, sin), first in zip(self._c, k_caches, v_caches, rope, lo):
+        (< capacity); bias: None, or per layer None or a (slot + 1,) float32 contiguous tensor added to its
+        attention scores per cache slot (`decode_attention`'s bias). Raises ValueError/MemoryError when the
+        kernel refuses, ValueError for a bias of another length or dtype."""
+        bias = bias or [None] * self.n_layers
+        for b in bias:
+            if b is not None and (b.dtype != torch.float32 or b.numel() != slot + 1 or not b.is_contiguous()):
+                raise ValueError(f"decode_stack: a layer's bias must be ({slot + 1},) float32 contiguous, got "
+                                 f"{tuple(b.shape)} {b.dtype}")
+        for c, k, v, (cos, sin), first, b in zip(self._c, k_caches, v_caches, rope, lo, bias):
             c.k_cache, c.v_cache, c.cos, c.sin, c.lo = k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), first
+            c.attn_bias = None if b is None else b.data_ptr()
         rc = _run("ldqa::decode_stack", self._fn, ctypes.addressof(self._c), self.n_layers, x.data_ptr(), self.hidden,
                   *self._args, k_caches[0].shape[2], slot, self.scale, torch.get_num_threads())
         _check(rc, "decode_stack")

@@ -513,7 +513,8 @@ done:
 /* ------------------------------------------------------------------------------------------------
  * A whole decode step's decoder layers in one call (one token of one sequence, batch 1): per layer
  * ldqa_decode_attn_in, the new k and v written into the layer's KV cache at `slot`, ldqa_decode_attention
- * over cache slots [lo, slot] (no mask: the caller checked that every one of them may be attended), and
+ * over cache slots [lo, slot] (no mask: the caller checked that every one of them may be attended; the
+ * layer's attn_bias added to the scores where it has one), and
  * ldqa_decode_attn_out. The same calls, in the same order, as the per-layer path (quant.FusedDecode +
  * Attention.attend), so the same numbers bit for bit; what it removes is Python between them (~0.1 ms a
  * layer). Shared with Python (cpu_linear.StackLayer). */
@@ -536,10 +537,12 @@ typedef struct {
     const float *cos;         /* (d,) RoPE at the token's position, this layer's base */
     const float *sin;
     int64_t lo;               /* first cache slot attended */
+    const float *attn_bias;   /* (slot + 1,) added to the scores of cache slot j, or NULL (position debiasing) */
 } ldqa_layer;
 
-int ldqa_decode_attention(const float *q, const float *k, const float *v, int64_t H, int64_t KV, int64_t L,
-                          int64_t d, int64_t hs, const uint8_t *mask, float scale, float *out, int threads);
+int ldqa_decode_attention_biased(const float *q, const float *k, const float *v, int64_t H, int64_t KV, int64_t L,
+                                 int64_t d, int64_t hs, const uint8_t *mask, const float *bias, float scale,
+                                 float *out, int threads);
 
 /* x (hidden,) in place: the token's hidden state entering layer 0 -> leaving the last layer. cap: the
  * caches' capacity (slots per KV head), slot < cap: where this token's k, v go, lo <= slot per layer.
@@ -562,8 +565,9 @@ int ldqa_decode_stack(const ldqa_layer *layers, int64_t n_layers, float *x, int6
             memcpy(l->k_cache + (h * cap + slot) * d, qkv + nq + h * d, d * sizeof(float));
             memcpy(l->v_cache + (h * cap + slot) * d, qkv + nq + nkv + h * d, d * sizeof(float));
         }
-        if ((rc = ldqa_decode_attention(qkv, l->k_cache + l->lo * d, l->v_cache + l->lo * d, n_heads, n_kv,
-                                        slot + 1 - l->lo, d, cap * d, NULL, scale, attn, threads)))
+        if ((rc = ldqa_decode_attention_biased(qkv, l->k_cache + l->lo * d, l->v_cache + l->lo * d, n_heads, n_kv,
+                                               slot + 1 - l->lo, d, cap * d, NULL,
+                                               l->attn_bias ? l->attn_bias + l->lo : NULL, scale, attn, threads)))
             goto done;
         if ((rc = ldqa_decode_attn_out(x, attn, hidden, nq, l->wo, l->attn_norm_w, l->ff_norm_w, l->ff_out_norm_w,
                                        eps, l->gu, l->inter, (int)l->act, l->wd, y, threads)))

@@ -28,11 +28,13 @@ def _own_cache(tmp_path_factory, monkeypatch):
     loader._LOADED.clear()
 
 
-def _decode(model, prompt: torch.Tensor, steps: int):
-    """Greedy decode after `prompt` (1, n): (tokens, logits (steps, vocab)) — every step one token."""
+def _decode(model, prompt: torch.Tensor, steps: int, policy=None):
+    """Greedy decode after `prompt` (1, n): (tokens, logits (steps, vocab)) — every step one token; `policy`
+    attached to the cache after the prompt."""
     cache = model.new_cache()
     n = prompt.shape[1]
     logits = model(prompt, torch.arange(n), cache)
+    cache.policy = policy
     toks, rows = [], []
     for i in range(steps):
         tok = int(logits[0, -1].argmax())
@@ -151,6 +153,41 @@ def test_decode_stack_computes_what_the_layer_by_layer_calls_compute(tiny_model_
             assert torch.equal(logits_s, logits_l)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_decode_stack_runs_position_debiasing_with_the_per_layer_paths_numbers(tiny_model_dir, family):
+    # a DebiasKV intervention is the global layers' attention plus a bias per slot (`decode_bias`): the stack
+    # takes it (on gemma3's global layers only) and gives the per-layer path's logits (hook -> C kernel with
+    # the bias) bit for bit; the intervention does change them
+    from ldqa.attention.debias import DebiasKV
+
+    lm = loader.load_model(str(tiny_model_dir(family)), weights="q8_0")
+    model = lm.model
+    step = model.decoder
+    assert step.kind == "c-step"
+    prompt = torch.randint(3, model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
+    log_w = torch.randn(80, generator=torch.Generator().manual_seed(5)) * 2
+
+    def hook():
+        return DebiasKV(log_w=log_w, scale=model.cfg.attn_scale)
+
+    calls = []
+    real = step.stack.run
+    step.stack.run = lambda *a: calls.append(1) or real(*a)
+    try:
+        toks_s, logits_s = _decode(model, prompt, 12, hook())
+    finally:
+        del step.stack.run
+    assert len(calls) == 12
+    model.decoder = CLayers(model.model.layers, step.fused)
+    try:
+        toks_l, logits_l = _decode(model, prompt, 12, hook())
+    finally:
+        model.decoder = step
+    assert toks_s == toks_l and torch.equal(logits_s, logits_l)
+    _, plain = _decode(model, prompt, 12)
+    assert (plain - logits_s).abs().max() > 1e-3
 
 
 def test_decode_stack_steps_aside_where_a_step_needs_more(tiny_model_dir):
