@@ -107,7 +107,7 @@ class CStep(CLayers):
         that are not ascending with the new one after them (then a mask is needed, which the stack does not
         take). Where it runs, every layer attends to all cached keys (global layers) or the last
         `sliding_window` positions (sliding layers), as the per-layer path does."""
-        decode_bias = getattr(cache.policy, "decode_bias", None) if cache is not None else None
+        decode_bias = getattr(getattr(cache, "policy", None), "decode_bias", None)
         if (tokens.shape != (1, 1) or type(cache) is not KVCache
                 or (cache.policy is not None and decode_bias is None)
                 or positions.numel() != 1 or cache._k[0].dtype != torch.float32 or cache._k[0].shape[0] != 1
