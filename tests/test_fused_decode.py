@@ -124,6 +124,26 @@ def test_every_attention_mode_answers_the_same_fused_and_not(tmp_path, tiny_mode
     assert fused == plain
 
 
+def _stack_and_layers(model, prompt: torch.Tensor, steps: int, policy=None):
+    """`_decode` through the model's CStep (counting its stack calls), then through CLayers on the same fused
+    layers: ((tokens, logits) of the stack, (tokens, logits) per layer, stack calls). policy: None or a
+    callable making a fresh cache policy for each run."""
+    step = model.decoder
+    calls = []
+    real = step.stack.run
+    step.stack.run = lambda *a: calls.append(1) or real(*a)
+    try:
+        stacked = _decode(model, prompt, steps, policy() if policy else None)
+    finally:
+        del step.stack.run
+    model.decoder = CLayers(model.model.layers, step.fused)
+    try:
+        layered = _decode(model, prompt, steps, policy() if policy else None)
+    finally:
+        model.decoder = step
+    return stacked, layered, len(calls)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_stack_computes_what_the_layer_by_layer_calls_compute(tiny_model_dir, family):
     # decode_runner.CStep (cpu_linear.DecodeStack): every layer of a decode step in one C call; the same C
@@ -138,17 +158,8 @@ def test_decode_stack_computes_what_the_layer_by_layer_calls_compute(tiny_model_
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            calls = []
-            real = step.stack.run
-            step.stack.run = lambda *a: calls.append(1) or real(*a)
-            toks_s, logits_s = _decode(model, prompt, 24)
-            del step.stack.run
-            assert len(calls) == 24  # every decode step took the stack
-            model.decoder = CLayers(model.model.layers, step.fused)
-            try:
-                toks_l, logits_l = _decode(model, prompt, 24)
-            finally:
-                model.decoder = step
+            (toks_s, logits_s), (toks_l, logits_l), calls = _stack_and_layers(model, prompt, 24)
+            assert calls == 24  # every decode step took the stack
             assert toks_s == toks_l
             assert torch.equal(logits_s, logits_l)
     finally:
@@ -172,19 +183,8 @@ def test_decode_stack_runs_position_debiasing_with_the_per_layer_paths_numbers(t
     def hook():
         return DebiasKV(log_w=log_w, scale=model.cfg.attn_scale)
 
-    calls = []
-    real = step.stack.run
-    step.stack.run = lambda *a: calls.append(1) or real(*a)
-    try:
-        toks_s, logits_s = _decode(model, prompt, 12, hook())
-    finally:
-        del step.stack.run
-    assert len(calls) == 12
-    model.decoder = CLayers(model.model.layers, step.fused)
-    try:
-        toks_l, logits_l = _decode(model, prompt, 12, hook())
-    finally:
-        model.decoder = step
+    (toks_s, logits_s), (toks_l, logits_l), calls = _stack_and_layers(model, prompt, 12, hook)
+    assert calls == 12
     assert toks_s == toks_l and torch.equal(logits_s, logits_l)
     _, plain = _decode(model, prompt, 12)
     assert (plain - logits_s).abs().max() > 1e-3
