@@ -65,6 +65,13 @@ SELECT_LAYERS = None
 # over heads ("last"); the layers' scores are averaged (`token_mass`). "mean": none measured better
 SELECT_SCORES = ("mean", "max", "last")
 SELECT_SCORE = "mean"
+# Gradual filtering of the recomputed tokens (CacheBlend, Yao et al. 2025, sec. 4.3: fewer tokens
+# recomputed at deeper layers): (layer j, ratio r) keeps only the best r share of the passage tokens,
+# by the "question" ranking, recomputed from layer j on; the others get exact K/V at layer j from the
+# hidden states they reached and keep their reused K/V above it. None: every chosen token through every layer.
+# Off: on the default model it loses to recomputing fewer tokens through every layer (KL to full attention
+# 0.091 at the default's work against 0.030; docs/results.md, "Block reuse: where the points go")
+TAPER = None
 # Whether block modes encode a chunk of a long document after its document's anchor (its first chunk;
 # `PromptSegments.anchors`, Star Attention) by default
 DEFAULT_ANCHORS = False
@@ -182,6 +189,8 @@ class BlockRuntime:
     select_window: int = SELECT_WINDOW  # "question" selection: the windows' tokens
     select_score: str = SELECT_SCORE  # "question" selection: SELECT_SCORES
     select_skip_first: bool = False  # "question" selection: never the first passage (nearly exact as stored)
+    # "question" selection: (layer, ratio) of gradual filtering; the module's TAPER when the runtime is made
+    taper: tuple[int, float] | None = field(default_factory=lambda: TAPER)
     _prefix: dict = field(default_factory=dict, repr=False)
     _headers: dict = field(default_factory=dict, repr=False)
     _anchors: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -361,6 +370,7 @@ class BlockRuntime:
         slot_ids = list(prefix)  # token id of every cache slot
         origin = ["prefix"] * len(prefix)  # per slot: prefix, header (cached), hit (stored body), computed
         fresh, spans = [], []  # slots computed in the final pass; (start, end) of each passage (header + body)
+        taper = None  # (layer j, chosen slots not recomputed from layer j on), from `self.taper`
         anchors = segments.anchors or [[] for _ in segments.passages]
         for header, body, chunk_id, anchor in zip(segments.headers, segments.passages, chunk_ids, anchors):
             at = cache.length
@@ -383,8 +393,15 @@ class BlockRuntime:
             spans.append((at if headers == "cached" else start, start + len(body)))
             slot_ids += header + body
         if mode == "block+recompute" and (recompute_ratio > 0 or isinstance(select, tuple)):
-            chosen = self._choose(select, cache, slot_ids, spans, fresh, recompute_ratio, segments.question,
+            ranked = self._choose(select, cache, slot_ids, spans, fresh, recompute_ratio, segments.question,
                                   scores)
+            chosen = sorted(ranked)
+            if select == "question" and self.taper is not None and ranked:
+                layer, r = self.taper
+                n_passage = sum(b - a for a, b in spans)
+                n_keep = int(round(r * n_passage))
+                if n_keep < len(ranked) < n_passage and 0 < layer < self.model.cfg.num_layers:
+                    taper = (layer, set(ranked[n_keep:]))
             stats.tokens_recomputed = len(chosen)
             stats.header_tokens_reused -= sum(1 for i in chosen if origin[i] == "header")
             stats.tokens_reused -= sum(1 for i in chosen if origin[i] == "hit")
@@ -396,25 +413,37 @@ class BlockRuntime:
             fresh += range(at, at + len(q))
             slot_ids += q
         cache.policy = policy
-        logits = self._recompute(cache, slot_ids, fresh) if fresh else None
+        logits = self._recompute(cache, slot_ids, fresh, taper=taper) if fresh else None
         stats.tokens_computed += len(fresh)
         stats.assemble_ms = (time.perf_counter() - t0) * 1000
         return cache, logits, stats
 
     def _recompute(self, cache: KVCache, slot_ids: list[int], slots: list[int],
-                   n_layers: int | None = None) -> torch.Tensor:
+                   n_layers: int | None = None, taper: tuple[int, set] | None = None) -> torch.Tensor:
         """Compute the tokens at cache `slots` (sorted) fresh through all layers (or the first `n_layers`),
         in place; each attends to everything before it in the cache (reused and fresh alike). Returns the
-        logits of the last slot, (1, 1, vocab) (with `n_layers`: the hidden states, see `model.forward`)."""
+        logits of the last slot, (1, 1, vocab) (with `n_layers`: the hidden states, see `model.forward`).
+        taper: (layer j, dropped slots): the dropped slots (never the last) run through layers below j,
+        get their layer-j K/V from the hidden states they reached there, and stop (CacheBlend's gradual
+        filtering); the others go on through every layer."""
         s = torch.tensor(slots)
-        return self.model(torch.tensor([[slot_ids[i] for i in slots]]), cache.positions[s], cache, slots=s,
-                          n_layers=n_layers)
+        ids = torch.tensor([[slot_ids[i] for i in slots]])
+        if taper is None or not taper[1]:
+            return self.model(ids, cache.positions[s], cache, slots=s, n_layers=n_layers)
+        layer, dropped = taper
+        h = self.model(ids, cache.positions[s], cache, slots=s, n_layers=layer)  # (1, n, hidden)
+        drop = torch.tensor([i in dropped for i in slots])
+        self.model.write_layer_kv(layer, h[:, drop], cache, s[drop])
+        keep = ~drop
+        return self.model(ids[:, keep], cache.positions[s[keep]], cache, slots=s[keep], n_layers=n_layers,
+                          start=(layer, h[:, keep]))
 
     def _choose(self, select, cache: KVCache, slot_ids, spans, fresh, ratio: float, question: list[int],
                 scores=None) -> list[int]:
-        """The passage slots block+recompute recomputes (sorted): see `SELECT_METHODS`. spans: (start, end)
-        of each passage (header and body) in the cache; fresh: slots computed in the final pass anyway;
-        scores: measured per-passage scores for "question" (see `_assemble`), or None."""
+        """The passage slots block+recompute recomputes: see `SELECT_METHODS`; "question" gives them best
+        first (`_top_windows`), the others sorted. spans: (start, end) of each passage (header and body)
+        in the cache; fresh: slots computed in the final pass anyway; scores: measured per-passage scores
+        for "question" (see `_assemble`), or None."""
         if isinstance(select, tuple):
             return sorted(i for r in select if r <= len(spans) for i in range(*spans[r - 1]))
         if select == "lead":
@@ -495,7 +524,7 @@ class BlockRuntime:
             chosen += range(w, min(e, w + budget - len(chosen)))
             if len(chosen) >= budget:
                 break
-        return sorted(chosen)
+        return chosen
 
     def _select(self, cache: KVCache, slot_ids, spans, fresh, ratio: float) -> list[int]:
         """CacheBlend token selection (Yao et al. 2024, sec. 4.3).

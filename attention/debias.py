@@ -79,6 +79,7 @@ import torch
 from ldqa.attention.choices import CALIBRATION_FORMS, DEBIAS_METHODS, DEBIAS_ORDERS
 from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.segments import passage_spans
+from ldqa.attention.model import causal_plan, windowed_attention
 from ldqa.kernels import cpu_linear, dispatch
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,10 @@ class DebiasKV:
             # context tokens recomputed before the question (positions ascending): their normal attention,
             # the question's rows biased below
             n0 = int((q_pos < self.bias_from).sum())
-            early = dispatch.attention(q[:, :, :n0], k, v, mask=k_pos[None, :] <= q_pos[:n0, None], scale=self.scale)
+            plan = causal_plan(q_pos[:n0], k_pos)  # groups reading the keys up to their last query
+            early = (windowed_attention(q[:, :, :n0], k, v, q_pos[:n0], k_pos, None, self.scale, plan=plan)
+                     if plan is not None else
+                     dispatch.attention(q[:, :, :n0], k, v, mask=k_pos[None, :] <= q_pos[:n0, None], scale=self.scale))
             if n0 == q.shape[2]:
                 return early
             return torch.cat([early, self.forward(layer, q[:, :, n0:], k, v, q_pos[n0:], k_pos, slots)], dim=2)

@@ -96,27 +96,43 @@ def _plain_prompt(q_pos: torch.Tensor, k_pos: torch.Tensor, masks: dict) -> bool
     return masks["plain_prompt"]
 
 
-def window_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, max_queries: int = 512) -> list:
+def window_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, max_queries: int = 512) -> list:
     """Query groups of `windowed_attention`: (q_start, q_end, k_lo, k_hi, mask or None) per group.
+    window None: causal by position only, groups of `max_queries` queries each reading the keys up to
+    its last query's position.
 
-    Depends only on positions, so one forward pass computes it once for all its sliding layers.
+    Depends only on positions, so one forward pass computes it once for all its layers of one kind.
     """
     pos = q_pos.tolist()
     starts = [0]
     for i in range(1, len(pos)):
-        if pos[i] - pos[starts[-1]] >= window or i - starts[-1] >= max_queries:
+        if (window is not None and pos[i] - pos[starts[-1]] >= window) or i - starts[-1] >= max_queries:
             starts.append(i)
     plan = []
     for a, b_ in zip(starts, starts[1:] + [len(pos)]):
         qp = q_pos[a:b_]
-        lo = int(torch.searchsorted(k_pos, qp[0] - window + 1))
+        lo = 0 if window is None else int(torch.searchsorted(k_pos, qp[0] - window + 1))
         hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
         m = attention_mask(qp, k_pos[lo:hi], window)
         plan.append((a, b_, lo, hi, None if bool(m.all()) else m))
     return plan
 
 
-def windowed_attention(q, k, v, q_pos, k_pos, window: int, scale: float, max_queries: int = 512,
+# Queries per group of a global layer's attention when the queries are scattered through the cache
+# (tokens recomputed in place): each group reads the keys up to its last query, so the masked work
+# shrinks from n x L towards the triangle (`causal_plan`)
+CAUSAL_GROUP = 32
+
+
+def causal_plan(q_pos: torch.Tensor, k_pos: torch.Tensor) -> list | None:
+    """`window_plan` for attention causal by position (no window) in groups of CAUSAL_GROUP queries, or
+    None when it would not pay: positions not ascending, or a single group."""
+    if q_pos.numel() <= CAUSAL_GROUP or not (_ascending(q_pos) and _ascending(k_pos)):
+        return None
+    return window_plan(q_pos, k_pos, None, CAUSAL_GROUP)
+
+
+def windowed_attention(q, k, v, q_pos, k_pos, window: int | None, scale: float, max_queries: int = 512,
                        plan: list | None = None):
     """Sliding-window attention that reads, for each group of queries, only the keys inside the group's
     windows. Exact (same result as masking the whole key range).
@@ -125,6 +141,8 @@ def windowed_attention(q, k, v, q_pos, k_pos, window: int, scale: float, max_que
     (L,). Queries are grouped while the group's positions span less than `window` (and at most
     `max_queries`); a group at positions [p0, p1] reads the keys with positions in [p0 - window + 1, p1].
     Example, window 4, queries at 10, 11, 30: groups {10, 11} -> keys 7..11, {30} -> keys 27..30.
+    window None: causal only, a group reads the keys up to p1 (queries scattered through a cache, as
+    recomputed tokens are: about half the masked work of reading every key).
     plan: a precomputed `window_plan` for these positions (else computed here).
     A prefill of n tokens then costs about n * 2 * window key reads per layer instead of n^2 / 2; fresh
     tokens scattered through a reused Block-Attention cache read a few windows instead of everything.
@@ -159,6 +177,16 @@ class Attention(nn.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """`project` without the queries: x (batch, n, hidden) -> k, v (batch, kv_heads, n, d), RoPE applied."""
+        b, n, _ = x.shape
+        d = self.cfg.head_dim
+        k = self.k_proj(x).view(b, n, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, -1, d).transpose(1, 2)
+        if self.cfg.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, positions, cache: KVCache | None, masks: dict, slots=None):
         """x: (batch, n, hidden) -> (batch, n, hidden): project, attend (writing the cache), o_proj."""
@@ -212,6 +240,15 @@ class Attention(nn.Module):
                 masks["window_plan"] = window_plan(positions, k_pos, self.cfg.sliding_window)
             return windowed_attention(q, k, v, positions, k_pos, self.cfg.sliding_window, self.cfg.attn_scale,
                                       plan=masks["window_plan"])
+        if kind == "full" and slots is not None and q.shape[2] > CAUSAL_GROUP:
+            # tokens recomputed in place, scattered through the cache: groups read the keys up to their last
+            if "causal_plan" not in masks:  # shared by every global layer of this forward pass
+                masks["causal_plan"] = causal_plan(positions, k_pos)
+            if masks["causal_plan"] is not None:
+                if k.dtype != q.dtype:
+                    k, v = k.to(q.dtype), v.to(q.dtype)
+                return windowed_attention(q, k, v, positions, k_pos, None, self.cfg.attn_scale,
+                                          plan=masks["causal_plan"])
         if kind not in masks:
             window = self.cfg.sliding_window if kind == "sliding" else None
             if (window is None and q.shape[2] > 16 and q.shape[2] == k.shape[2] and torch.equal(positions, k_pos)
@@ -391,6 +428,21 @@ class Transformer(nn.Module):
         block = self.model.layers[layer]
         cos, sin = rope_cos_sin(positions.to(hidden.device), self.freqs_for(layer), hidden.dtype)
         return block.self_attn.project(block.input_layernorm(hidden), cos, sin)[1]
+
+    @torch.inference_mode()
+    def write_layer_kv(self, layer: int, hidden: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> None:
+        """Overwrite layer `layer`'s K/V at cache `slots` (n,) with the ones it computes from `hidden`
+        (1, n, hidden_size), the hidden states entering it, at the slots' positions (RoPE with the layer's
+        base and the cache's `theta_scale`). A token stopped at that layer this way has the K/V a full
+        pass would give it there (`block_attention.BlockRuntime._recompute`'s gradual filtering)."""
+        if len(slots) == 0:
+            return
+        block = self.model.layers[layer]
+        positions = cache.positions[slots.to(cache.positions.device)]
+        f = self.freqs_for(layer, getattr(cache, "theta_scale", 1.0))
+        cos, sin = rope_cos_sin(positions.to(hidden.device), f, hidden.dtype)
+        k, v = block.self_attn.project_kv(block.input_layernorm(hidden), cos, sin)
+        cache.write_at(layer, k, v, slots.to(hidden.device))
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         """An empty KV cache for `batch` sequences in `kv_dtype`, on the model's device."""

@@ -315,7 +315,7 @@ def test_question_selection_follows_the_question_s_attention(lm):
     slot_ids = seg.prefix + [t for h, b in zip(seg.headers, seg.passages) for t in h + b]
     chosen = rt._select_by_question(block, slot_ids, spans, [], 0.05, seg.question, window=1)
     best = sorted(range(spans[0][0], spans[-1][1]), key=lambda i: -mass[i].item())[:len(chosen)]
-    assert chosen == sorted(best)
+    assert sorted(chosen) == sorted(best)
 
 
 def test_question_selection_can_leave_the_first_passage_alone(lm):
@@ -373,10 +373,10 @@ def test_question_selection_on_the_first_layers_ranks_by_those_layers_alone(lm):
     slot_ids = seg.prefix + [t for h, b in zip(seg.headers, seg.passages) for t in h + b]
     chosen = rt._select_by_question(block, slot_ids, spans, [], 0.05, seg.question, window=1)
     ranked = sorted(range(spans[0][0], spans[-1][1]), key=lambda i: -first[i].item())
-    assert chosen == sorted(ranked[:len(chosen)])
+    assert sorted(chosen) == sorted(ranked[:len(chosen)])
     assert block.length == L - q  # the shortened pass leaves the cache as it was
     if len(cache.policy.queries) > 1:  # every global layer ranks otherwise here (the check can tell them apart)
-        assert chosen != sorted(sorted(range(spans[0][0], spans[-1][1]), key=lambda i: -every[i].item())[:len(chosen)])
+        assert sorted(chosen) != sorted(sorted(range(spans[0][0], spans[-1][1]), key=lambda i: -every[i].item())[:len(chosen)])
 
 
 def test_bad_selection_is_refused_by_name(lm):
@@ -428,3 +428,39 @@ def test_the_anchor_is_part_of_the_block_s_key(lm, tmp_path):
     for a in ((), anchor, (), anchor):
         rt.get_block(seg.prefix, seg.passages[1], 7, st, a)
     assert (st.kv_misses, st.kv_hits) == (2, 2)
+
+
+def test_taper_stops_the_lesser_chosen_tokens_at_its_layer_with_exact_kv_there(lm):
+    """Gradual filtering (`BlockRuntime.taper` = (j, r)): below layer j every chosen token is recomputed as
+    without it; at layer j the tokens beyond the best r share get the K/V their hidden states give there;
+    above j they keep the reused block K/V while the best r share (and the question) go on."""
+    seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
+    n_layers = lm.model.cfg.num_layers
+    j = n_layers // 2
+    rt = BlockRuntime(lm.model, "fp")
+    block, _, _ = rt.prefill(seg, [None] * 3, mode="block")
+    whole, _, s_whole = rt.prefill(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.5)
+    rt.taper = (j, 0.2)
+    cut, logits, s_cut = rt.prefill(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.5)
+    assert s_cut.tokens_recomputed == s_whole.tokens_recomputed > 0
+    L = block.length
+    changed = [i for i in range(L) if not torch.equal(whole.keys(0)[0, :, i], block.keys(0)[0, :, i])
+               or not torch.equal(whole.keys(n_layers - 1)[0, :, i], block.keys(n_layers - 1)[0, :, i])]
+    top = [i for i in range(L) if not torch.equal(cut.keys(n_layers - 1)[0, :, i], block.keys(n_layers - 1)[0, :, i])]
+    q = set(range(L - len(seg.question), L))
+    dropped = sorted(set(changed) - set(top) - q)
+    assert dropped and set(top) - q  # some chosen tokens stopped at j, some went on
+    n_passage = sum(b - a for a, b in _spans(seg))
+    assert len(set(top) - q) == round(0.2 * n_passage)
+    d = torch.tensor(dropped)
+    for layer in range(n_layers):
+        got, ref = cut.keys(layer)[0][:, d], (whole if layer <= j else block).keys(layer)[0][:, d]
+        gv, rv = cut.values(layer)[0][:, d], (whole if layer <= j else block).values(layer)[0][:, d]
+        tol = 0 if layer != j else 1e-5
+        assert (got - ref).abs().max() <= tol and (gv - rv).abs().max() <= tol, layer
+    # a taper that keeps every chosen token is no taper: the same logits, bit for bit
+    _, ref_logits, _ = rt.prefill(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.2)
+    rt.taper = None
+    _, plain, _ = rt.prefill(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.2)
+    rt.taper = (j, 0.2)
+    assert torch.equal(ref_logits, plain) and not torch.equal(logits, plain)

@@ -108,7 +108,20 @@ def test_windowed_attention_equals_masked_attention():
     q = torch.randn(1, 4, len(q_pos), 32, generator=g)
     k = torch.randn(1, 2, 300, 32, generator=g)
     v = torch.randn(1, 2, 300, 32, generator=g)
-    for window in (1, 7, 32, 512):
+    for window in (1, 7, 32, 512, None):  # None: causal by position only
         ref = attention(q, k, v, mask=attention_mask(q_pos, k_pos, window), scale=0.2)
         out = windowed_attention(q, k, v, q_pos, k_pos, window, 0.2, max_queries=16)
         assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_causal_plan_reads_each_group_s_keys_up_to_its_last_query():
+    from ldqa.attention.model import CAUSAL_GROUP, causal_plan
+
+    k_pos = torch.arange(1000)
+    q_pos = torch.sort(torch.randperm(1000, generator=torch.Generator().manual_seed(1))[:100]).values
+    plan = causal_plan(q_pos, k_pos)
+    assert [a for a, *_ in plan] == list(range(0, 100, CAUSAL_GROUP))
+    for a, b, lo, hi, m in plan:
+        assert lo == 0 and hi == int(q_pos[b - 1]) + 1 and m.shape == (b - a, hi)
+    assert causal_plan(q_pos[:CAUSAL_GROUP], k_pos) is None  # one group: nothing to save
+    assert causal_plan(q_pos.flip(0), k_pos) is None  # not ascending

@@ -14,6 +14,10 @@ Variants (--variants, comma-separated):
                             chooses the first passage; measured=1 (--part kl) ranks by the question's
                             attention measured over the plain block cache in two other orders (a seeded
                             shuffle and its reverse), as block+recompute does under calibrate+reorder
+                            (--part ttft: the answer runs with calibrate+reorder);
+                            taper=J:T recomputes only the best T share from layer J on (gradual filtering,
+                            `BlockRuntime.taper`); causal_group=G: the recompute pass's global
+                            attention in groups of G queries (`model.CAUSAL_GROUP`; 100000: one group)
   oracle                    block+recompute of the gold passage whole (the answer's passage), nothing else
 Recomputing every token (e.g. question@1.0) must give full attention's answers: `same_as_full` says how
 many do. The passages' blocks are stored before a question's variants run, so every TTFT is warm. Per variant: EM by gold position, the paired difference from full (points, SE), answers that
@@ -30,6 +34,7 @@ import argparse
 import json
 from contextlib import contextmanager
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -67,6 +72,13 @@ def parse_variant(spec: str) -> dict:
                 settings["select_skip_first"] = v == "1"
             elif k == "measured" and v in ("0", "1"):
                 settings["measured"] = v == "1"
+            elif k == "causal_group" and int(v) >= 1:
+                settings["causal_group"] = int(v)
+            elif k == "taper":
+                j, _, t = v.partition(":")
+                if int(j) < 1 or not 0 <= float(t) <= 1:
+                    raise ValueError
+                settings["taper"] = (int(j), float(t))
             else:
                 raise ValueError
     except ValueError:
@@ -75,24 +87,39 @@ def parse_variant(spec: str) -> dict:
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
-                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1")
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,taper=J:T,causal_group=G")
 
 
-SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first")  # what a variant may set
+def split_variants(text: str) -> list[str]:
+    """--variants' comma-separated list, where a variant's own settings may hold commas too
+    ("full,question@0.3/measured=1,taper=14:0.15" is two variants): a comma starts a variant only before
+    full, block, oracle or SELECT@."""
+    from ldqa.attention.block_attention import SELECT_METHODS
+
+    methods = "|".join(SELECT_METHODS)
+    return re.split(rf",(?=(?:full|block|oracle)(?:,|$)|(?:{methods})@)", text)
+
+
+SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "taper")  # what a variant may set
 
 
 @contextmanager
 def selection(qa, kw: dict):
     """A variant's selection settings (the `SELECTION` keys of `kw`, popped) on the block runtime of `qa`
     for the `with` block, restored after."""
+    from ldqa.attention import model
+
     rt = qa.engine.block_runtime
     new = {k: kw.pop(k) for k in SELECTION if k in kw}
+    group = kw.pop("causal_group", model.CAUSAL_GROUP)
     before = {k: getattr(rt, k) for k in new}
     for k, v in new.items():
         setattr(rt, k, v)
+    model.CAUSAL_GROUP, group = group, model.CAUSAL_GROUP
     try:
         yield
     finally:
+        model.CAUSAL_GROUP = group
         for k, v in before.items():
             setattr(rt, k, v)
 
@@ -199,6 +226,8 @@ def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: i
         ex = multidoc_example(records, i, n_passages, 1, seed)
         ps = [Passage(p["title"], p["text"]) for p in ex["passages"]]
         qa.answer(ex["question"], ps, attention="block", max_new_tokens=1, debias="none")
+        if any(parse_variant(v).get("measured") for v in variants):  # the bias curve fitted before timing
+            qa.answer(ex["question"], ps, attention="block", max_new_tokens=1, debias="calibrate+reorder")
         for _ in range(repeats):
             for spec in variants:
                 kw = parse_variant(spec)
@@ -206,7 +235,8 @@ def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: i
                     kw["recompute_select"] = (1,)
                 if spec == "full":
                     qa.engine.clear_memo()
-                t = answer(qa, ex["question"], ps, max_new_tokens=1, debias="none", **kw).timings
+                debias = "calibrate+reorder" if kw.pop("measured", False) else "none"
+                t = answer(qa, ex["question"], ps, max_new_tokens=1, debias=debias, **kw).timings
                 times[spec].append(t["ttft_ms"])
         tokens.append(t["prompt_tokens"])
     med = {v: statistics.median(x) for v, x in times.items()}
@@ -324,13 +354,13 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=8, help="kl: answer tokens teacher-forced")
     ap.add_argument("--repeats", type=int, default=3, help="ttft: runs of each variant per question")
     args = ap.parse_args(argv)
-    variants = args.variants.split(",")
+    variants = split_variants(args.variants)
     for v in variants:
         parse_variant(v)
     if "full" not in variants:
         raise SystemExit("--variants must include full (every variant is paired with it)")
-    if args.part != "kl" and any(parse_variant(v).get("measured") for v in variants):
-        raise SystemExit("measured=1 is a setting of --part kl only")
+    if args.part == "accuracy" and any(parse_variant(v).get("measured") for v in variants):
+        raise SystemExit("measured=1 is a setting of --part kl and --part ttft only")
     positions = [int(p) for p in args.positions.split(",")]
     if args.part == "accuracy" and any(not 1 <= p <= args.passages for p in positions):
         raise SystemExit(f"--positions {args.positions}: each must be in 1..{args.passages}")
