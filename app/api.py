@@ -105,6 +105,9 @@ class LongDocQA:
         self.device = resolve_device(check_device(device))
         self.weights = check_weights(weights or default_weights(self.model_name, self.device), device=self.device)
         self.kv_dtype = check_kv_dtype(kv_dtype or default_kv_dtype(self.device))
+        from ldqa.attention.choices import prefill_weights_mode
+
+        prefill_weights_mode()  # a bad $LDQA_PREFILL_WEIGHTS is refused now, not at the first answer
         self.chat_template = check_chat_template(chat_template)
         self._chats: dict = {}
         self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)

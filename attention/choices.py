@@ -10,6 +10,8 @@ a name added here is offered everywhere.
 
 from __future__ import annotations
 
+import os
+
 ATTENTION_MODES = ("full", "block", "block+recompute", "retrieval")
 DEBIAS_METHODS = ("none", "calibrate", "calibrate+reorder", "sort", "buckets")
 # What a question is debiased with when the caller names no method (`AttentionConfig.resolved`): the
@@ -33,3 +35,23 @@ def default_debias(attention: str) -> str:
     """The debias method a question in attention mode `attention` gets when the caller names none
     (`DEFAULT_DEBIAS`; "none" for a mode it does not list)."""
     return DEFAULT_DEBIAS.get(attention, "none")
+
+
+# What a quantized layer does with the bf16 weight its first prefill GEMM dequantizes (`quant.QLinear.prefill_weight`),
+# from $LDQA_PREFILL_WEIGHTS: "keep" (default) holds it for every later pass, about 2 bytes per weight
+# (2.5 GB for Qwen2.5-Coder-1.5B, beside its 1 GB of GGUF blocks); "dequantize" dequantizes again in every
+# pass. Block modes run short passes (the question; a few hundred recomputed tokens), in which dequantizing
+# is up to a third of the time: kept weights bring block attention's first token 0.57 -> 0.41 s on the
+# default model at 10 passages (docs/results.md, "Block reuse: where the points go"). Same results either way.
+PREFILL_WEIGHT_MODES = ("keep", "dequantize")
+
+
+def prefill_weights_mode() -> str:
+    """$LDQA_PREFILL_WEIGHTS, or "keep" when unset (`PREFILL_WEIGHT_MODES`). Raises ValueError naming the
+    variable for any other value."""
+    mode = os.environ.get("LDQA_PREFILL_WEIGHTS") or "keep"
+    if mode not in PREFILL_WEIGHT_MODES:
+        raise ValueError(f"$LDQA_PREFILL_WEIGHTS={mode!r}: set it to keep (hold each layer's dequantized bf16 "
+                         "weight after the first prefill; faster block modes, ~2 bytes per weight) or dequantize "
+                         "(dequantize in every pass; no extra memory)")
+    return mode

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from ldqa.attention.choices import WEIGHT_FORMATS  # noqa: F401  (re-exported; torch-free for the CLI)
+from ldqa.attention.choices import prefill_weights_mode
 from ldqa.kernels import cpu_linear
 
 log = logging.getLogger(__name__)
@@ -262,12 +263,26 @@ class QLinear(nn.Module):
         (int8 and q8_0 with at least PREFILL_ROWS rows, gguf with GGUF_PREFILL_ROWS), dequantized now;
         None where forward takes another path (fp32, bf16, int4, the packed int8 op, the C decode kernel).
         With `apply_prefill` it lets a caller split the rows into chunks and dequantize once
-        (`MLP.forward`)."""
-        if self.fmt == "int8" and rows >= PREFILL_ROWS:
-            return self.qweight.to(torch.bfloat16) * self.scales[:, None]
-        if self.fmt in ("q8_0", "gguf") and rows >= self.gemm_rows():
-            return self.dequantized(torch.bfloat16)
-        return None
+        (`MLP.forward`). Under $LDQA_PREFILL_WEIGHTS=keep (the default) the weight is dequantized once per
+        process and kept on the layer (`prefill_weights_mode`); under "dequantize" a kept one is dropped. Raises ValueError for a bad
+        $LDQA_PREFILL_WEIGHTS."""
+        if not ((self.fmt == "int8" and rows >= PREFILL_ROWS) or (self.fmt in ("q8_0", "gguf") and rows >= self.gemm_rows())):
+            return None
+        keep = prefill_weights_mode() == "keep"
+        kept = self.__dict__.get("_kept_prefill_weight") if keep else self.__dict__.pop("_kept_prefill_weight", None)
+        if kept is not None and keep:
+            return kept
+        if self.fmt == "int8":
+            w = self.qweight.to(torch.bfloat16) * self.scales[:, None]
+        else:
+            w = self.dequantized(torch.bfloat16)
+        if keep:
+            self.__dict__["_kept_prefill_weight"] = w
+        return w
+
+    def drop_prefill_weight(self) -> None:
+        """Forget the kept bf16 prefill weight (`PREFILL_WEIGHT_MODES`); the next prefill dequantizes again."""
+        self.__dict__.pop("_kept_prefill_weight", None)
 
     def gemm_rows(self) -> int:
         """The fewest rows (tokens) `forward` multiplies through a dequantized bf16 weight: GGUF_PREFILL_ROWS

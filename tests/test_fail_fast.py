@@ -127,6 +127,12 @@ def test_longdocqa_refuses_a_bad_model_at_construction(tmp_path):
         LongDocQA(store=store, model=str(garbage))
 
 
+def test_longdocqa_refuses_a_bad_prefill_weights_setting_at_construction(tmp_path, monkeypatch):
+    monkeypatch.setenv("LDQA_PREFILL_WEIGHTS", "yes")
+    with pytest.raises(ValueError, match=r"\$LDQA_PREFILL_WEIGHTS='yes'.*keep.*dequantize"):
+        LongDocQA(store=tmp_path / "store")
+
+
 @pytest.mark.parametrize("missing", [1, 100, 128])  # bytes cut from the end: the 4x8 fp32 tensor is 128
 def test_a_gguf_cut_off_in_its_tensor_data_is_refused_with_the_sizes(tmp_path, monkeypatch, missing):
     whole = write_gguf(tmp_path / "whole.gguf", "llama", arch_last=True)

@@ -126,6 +126,37 @@ def test_weights_env_variable(monkeypatch):
     assert loader.default_weights() == loader.default_weights("/models/some-hf-dir") == "int8"
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+def test_prefill_weight_is_dequantized_once_and_kept_unless_asked_otherwise(fmt, monkeypatch):
+    """$LDQA_PREFILL_WEIGHTS=keep (default): the first prefill's bf16 weight is the one every later prefill
+    multiplies with (the same tensor, the same outputs); dequantize: a new one each pass, nothing kept;
+    any other value is refused by name."""
+    from ldqa.kernels import cpu_linear
+
+    if fmt == "q8_0" and not cpu_linear.available():
+        pytest.skip("no C kernel on this machine")
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(64, 128, generator=g), torch.randn(40, 128, generator=g)
+    monkeypatch.delenv("LDQA_PREFILL_WEIGHTS", raising=False)
+    lin = QLinear.from_float(w, None, fmt)
+    first = lin.prefill_weight(40)
+    y = lin(x)
+    assert lin.prefill_weight(40) is first and torch.equal(lin(x), y)
+    assert torch.equal(first, lin.dequantized(torch.bfloat16))
+    assert lin.prefill_weight(1) is None  # decode rows take the quantized kernels as before
+    monkeypatch.setenv("LDQA_PREFILL_WEIGHTS", "dequantize")
+    again = lin.prefill_weight(40)
+    assert again is not first and lin.prefill_weight(40) is not again and torch.equal(again, first)
+    assert torch.equal(lin(x), y) and "_kept_prefill_weight" not in lin.__dict__
+    monkeypatch.setenv("LDQA_PREFILL_WEIGHTS", "keep")
+    lin.prefill_weight(40)
+    lin.drop_prefill_weight()
+    assert "_kept_prefill_weight" not in lin.__dict__
+    monkeypatch.setenv("LDQA_PREFILL_WEIGHTS", "cache")
+    with pytest.raises(ValueError, match=r"\$LDQA_PREFILL_WEIGHTS='cache'.*keep.*dequantize"):
+        lin.prefill_weight(40)
+
+
 def test_int4_without_the_op_is_refused(monkeypatch):
     monkeypatch.setattr("ldqa.attention.quant.int4_supported", lambda device="cpu": False)
     with pytest.raises(WeightFormatError, match="int4.*use weights='int8'"):
