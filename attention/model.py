@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ldqa.attention.config import ModelConfig, inv_freq
 from ldqa.attention.decode_runner import DecodeRunner, TorchLayers
 from ldqa.attention.kv_cache import KVCache
+from ldqa.attention.quant import pass_rows
 from ldqa.kernels import dispatch
 
 
@@ -178,6 +179,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """`project`'s queries alone: x (batch, n, hidden) -> q (batch, heads, n, d), RoPE applied."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, -1, self.cfg.head_dim).transpose(1, 2)
+        if self.cfg.qk_norm:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """`project` without the queries: x (batch, n, hidden) -> k, v (batch, kv_heads, n, d), RoPE applied."""
         b, n, _ = x.shape
@@ -188,24 +197,37 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, positions, cache: KVCache | None, masks: dict, slots=None):
-        """x: (batch, n, hidden) -> (batch, n, hidden): project, attend (writing the cache), o_proj."""
-        out = self.attend(*self.project(x, cos, sin), positions, cache, masks, slots)  # (b, h, n, d)
+    def forward(self, x, cos, sin, positions, cache: KVCache | None, masks: dict, slots=None,
+                q_last: int | None = None):
+        """x: (batch, n, hidden) -> (batch, n, hidden): project, attend (writing the cache), o_proj.
+        q_last: only the last q_last rows query (their output, (batch, q_last, hidden)); every row's K/V
+        is still computed and written."""
+        if q_last is None:
+            q, k, v = self.project(x, cos, sin)
+        else:
+            k, v = self.project_kv(x, cos, sin)
+            q = self.project_q(x[:, -q_last:], cos[-q_last:], sin[-q_last:])
+        out = self.attend(q, k, v, positions, cache, masks, slots, q_last)  # (b, h, n, d)
         b, h, n, d = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
 
-    def attend(self, q, k, v, positions, cache: KVCache | None, masks: dict, slots=None) -> torch.Tensor:
+    def attend(self, q, k, v, positions, cache: KVCache | None, masks: dict, slots=None,
+               q_last: int | None = None) -> torch.Tensor:
         """Attention of this layer's new q (batch, heads, n, d), k, v (batch, kv_heads, n, d) (RoPE applied)
         over the cache: the new k, v are written to `cache` (appended at `positions`, or in place at
         `slots`), then the layer's attention rule (causal, Gemma 3's sliding window, the cache policy's
         hook on global layers) -> (batch, heads, n, d) in q's dtype. `masks` is shared by the layers of
-        one forward pass (masks and window plans are built once per pass)."""
+        one forward pass (masks and window plans are built once per pass). q_last: q holds only the last
+        q_last of the n rows (batch, heads, q_last, d); `masks` must then be this call's own."""
         if slots is not None:  # recompute tokens already in the cache, in place
             k, v, k_pos = cache.write_at(self.layer, k, v, slots)
         elif cache is not None:
             k, v, k_pos = cache.write(self.layer, k, v, positions)
         else:
             k_pos = positions
+        if q_last is not None:  # from here on, positions and slots are the queries'
+            positions = positions[-q_last:]
+            slots = None if slots is None else slots[-q_last:]
         kind = self.cfg.layer_types[self.layer]
         policy = getattr(cache, "policy", None)
         kernels = dispatch.backend_for(q) == "triton"  # the Triton kernels read a bf16 cache as it is
@@ -295,6 +317,11 @@ class Attention(nn.Module):
         return out.to(dtype)
 
 
+# Whether a pass that returns only the last token's logits runs its last layer's attention and MLP for
+# that row alone (every row's K/V still written; `Transformer.forward`). The same cache, and logits that
+# differ by the GEMM's summation order for one row against many
+LAST_ROW_ONLY = True
+
 # prefill rows per chunk of the MLP (`MLP.forward`): a chunk's (rows, intermediate) fp32 activations, 9 MB
 # for Qwen2.5 1.5B's 8,960, fit a CPU's last-level cache
 MLP_CHUNK_ROWS = 256
@@ -350,9 +377,12 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
-    def forward(self, x, cos, sin, positions, cache, masks, slots=None):
-        """x: (batch, n, hidden) -> (batch, n, hidden) (`Attention.forward`'s arguments)."""
-        a = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, masks, slots)
+    def forward(self, x, cos, sin, positions, cache, masks, slots=None, q_last: int | None = None):
+        """x: (batch, n, hidden) -> (batch, n, hidden) (`Attention.forward`'s arguments; with q_last,
+        (batch, q_last, hidden): the last rows' outputs, every row's K/V written)."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, masks, slots, q_last)
+        if q_last is not None:
+            x = x[:, -q_last:]
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -486,8 +516,22 @@ class Transformer(nn.Module):
         theta_scale = cache.theta_scale if cache is not None else 1.0
         run = self.decoder.layers(self.model.layers, x, slots)  # per layer: its modules or its C decode
         todo = range(len(self.model.layers))[first:n_layers]
+        # Only the last token's logits are asked for: the last layer computes every row's K/V but
+        # attention, o_proj and the MLP for the last row only (llama.cpp skips the same rows), through the
+        # whole pass's arithmetic (`quant.pass_rows`); not under a cache policy, whose hooks may read every
+        # query (DebiasKV records the question's), nor where a linear layer's rounding depends on its row
+        # count (`QLinear.row_independent`: a few rows through the C kernels)
+        last = len(self.model.layers) - 1
+        n = x.shape[1]
+        last_only = (LAST_ROW_ONLY and not all_logits and n_layers is None and n > 1
+                     and getattr(cache, "policy", None) is None and isinstance(run[last], DecoderLayer)
+                     and all(m.row_independent(n) for m in run[last].modules() if hasattr(m, "row_independent")))
         for i, (cos, sin) in zip(todo, self.rope_tables(positions, theta_scale, x.dtype, todo)):
-            x = run[i](x, cos, sin, positions, cache, masks, slots)
+            if i == last and last_only:
+                with pass_rows(n):
+                    x = run[i](x, cos, sin, positions, cache, {}, slots, q_last=1)
+            else:
+                x = run[i](x, cos, sin, positions, cache, masks, slots)
         if n_layers is not None:
             return x
         if cache is not None and slots is None:

@@ -41,7 +41,9 @@ written by one torch build is never fed to another's op unpacked wrongly.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -64,6 +66,22 @@ PREFILL_ROWS = 32
 # dequantizing straight to bf16 and one GEMM costs ~4 ms; every GGUF block type crosses over at 6-8 rows, at
 # 1 and 2 threads (docs/results.md, "Prefill and the allocator"). q8_0's 4-row AVX-512 tile crosses at ~18.
 GGUF_PREFILL_ROWS = 8
+
+
+# The rows of the pass a layer's input stands for (`pass_rows`), 0 outside one
+_PASS_ROWS = contextvars.ContextVar("ldqa_pass_rows", default=0)
+
+
+@contextmanager
+def pass_rows(rows: int):
+    """Within the block, `QLinear.forward` takes the path of an input of `rows` rows (the bf16 prefill
+    GEMM where a pass of that many rows takes it) whatever its own row count: a pass that computes only its
+    last row at its last layer keeps the whole pass's arithmetic there (`model.Transformer.forward`)."""
+    token = _PASS_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _PASS_ROWS.reset(token)
 
 
 class WeightFormatError(ValueError):
@@ -231,7 +249,8 @@ class QLinear(nn.Module):
 
     # -- compute
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt in ("q8_0", "gguf") and x.numel() < self.gemm_rows() * self.in_features:  # decode: the fewest ops
+        rows = max(x.numel() // self.in_features, _PASS_ROWS.get())  # (`pass_rows`)
+        if self.fmt in ("q8_0", "gguf") and rows < self.gemm_rows():  # decode: the fewest ops
             x2 = x.reshape(-1, self.in_features)
             y = (cpu_linear.linear_q8_0(x2, self.qweight, self.bscales) if self.fmt == "q8_0"
                  else cpu_linear.linear_gguf(x2, self.blocks, self.ggml_type))  # (M, N) fp32
@@ -245,7 +264,7 @@ class QLinear(nn.Module):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.fmt == "bf16":
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), self.weight)
-        elif (w := self.prefill_weight(x2.shape[0])) is not None:
+        elif (w := self.prefill_weight(rows)) is not None:
             # many rows (prefill): dequantize once, one bf16 GEMM (int8: faster than the packed op)
             return self.apply_prefill(x, w)
         elif self.fmt == "int8":
@@ -279,6 +298,14 @@ class QLinear(nn.Module):
         if keep:
             self.__dict__["_kept_prefill_weight"] = w
         return w
+
+    def row_independent(self, rows: int) -> bool:
+        """Whether `forward` computes an input of `rows` rows as one op whose every row is that row's alone:
+        the float formats and the bf16 prefill GEMM (any subset of the rows, under `pass_rows(rows)`, gets
+        the same arithmetic); not the C kernels or the packed ops, whose rounding depends on the row count
+        (a gguf K-type decode row: int8 activations per 256)."""
+        return self.fmt in ("fp32", "bf16") or (self.fmt == "int8" and rows >= PREFILL_ROWS) or (
+            self.fmt in ("q8_0", "gguf") and rows >= self.gemm_rows())
 
     def drop_prefill_weight(self) -> None:
         """Forget the kept bf16 prefill weight (`PREFILL_WEIGHT_MODES`); the next prefill dequantizes again."""
