@@ -170,14 +170,7 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: (batch, n, hidden) -> q (batch, heads, n, d), k, v (batch, kv_heads, n, d), RoPE applied."""
-        b, n, _ = x.shape
-        d = self.cfg.head_dim
-        q = self.q_proj(x).view(b, n, -1, d).transpose(1, 2)  # (b, h, n, d)
-        k = self.k_proj(x).view(b, n, -1, d).transpose(1, 2)  # (b, kv, n, d)
-        v = self.v_proj(x).view(b, n, -1, d).transpose(1, 2)  # (b, kv, n, d)
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return self.project_q(x, cos, sin), *self.project_kv(x, cos, sin)
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """`project`'s queries alone: x (batch, n, hidden) -> q (batch, heads, n, d), RoPE applied."""
@@ -457,7 +450,7 @@ class Transformer(nn.Module):
         base (CacheBlend compares them with cached keys, `block_attention.BlockRuntime._select`)."""
         block = self.model.layers[layer]
         cos, sin = rope_cos_sin(positions.to(hidden.device), self.freqs_for(layer), hidden.dtype)
-        return block.self_attn.project(block.input_layernorm(hidden), cos, sin)[1]
+        return block.self_attn.project_kv(block.input_layernorm(hidden), cos, sin)[0]
 
     @torch.inference_mode()
     def write_layer_kv(self, layer: int, hidden: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> None:

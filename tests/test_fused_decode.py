@@ -144,16 +144,20 @@ def _stack_and_layers(model, prompt: torch.Tensor, steps: int, policy=None):
     return stacked, layered, len(calls)
 
 
+def _stack_model_and_prompt(tiny_model_dir, family, seed):
+    """The q8_0 tiny model of `family`, whose decoder runs a decode step in one C call, and a seeded
+    30-token prompt (1, 30)."""
+    model = loader.load_model(str(tiny_model_dir(family)), weights="q8_0").model
+    assert model.decoder.kind == "c-step"
+    return model, torch.randint(3, model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(seed))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_stack_computes_what_the_layer_by_layer_calls_compute(tiny_model_dir, family):
     # decode_runner.CStep (cpu_linear.DecodeStack): every layer of a decode step in one C call; the same C
     # functions in the same order as CLayers' FusedDecode + Attention.attend, so the logits are equal bit for
     # bit (gemma3's tiny sliding window, 16, is crossed: its sliding layers attend to a moving slice)
-    lm = loader.load_model(str(tiny_model_dir(family)), weights="q8_0")
-    model = lm.model
-    step = model.decoder
-    assert step.kind == "c-step"
-    prompt = torch.randint(3, model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    model, prompt = _stack_model_and_prompt(tiny_model_dir, family, seed=2)
     old = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -173,11 +177,7 @@ def test_decode_stack_runs_position_debiasing_with_the_per_layer_paths_numbers(t
     # the bias) bit for bit; the intervention does change them
     from ldqa.attention.debias import DebiasKV
 
-    lm = loader.load_model(str(tiny_model_dir(family)), weights="q8_0")
-    model = lm.model
-    step = model.decoder
-    assert step.kind == "c-step"
-    prompt = torch.randint(3, model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
+    model, prompt = _stack_model_and_prompt(tiny_model_dir, family, seed=4)
     log_w = torch.randn(80, generator=torch.Generator().manual_seed(5)) * 2
 
     def hook():
