@@ -105,9 +105,13 @@ class LongDocQA:
         self.device = resolve_device(check_device(device))
         self.weights = check_weights(weights or default_weights(self.model_name, self.device), device=self.device)
         self.kv_dtype = check_kv_dtype(kv_dtype or default_kv_dtype(self.device))
-        from ldqa.attention.choices import prefill_weights_mode
+        from ldqa.attention.choices import prefill_gemm, prefill_weights_mode, recompute_gemm
 
-        prefill_weights_mode()  # a bad $LDQA_PREFILL_WEIGHTS is refused now, not at the first answer
+        # a bad $LDQA_PREFILL_WEIGHTS, $LDQA_PREFILL_GEMM or $LDQA_RECOMPUTE_GEMM is refused now, not at the
+        # first answer
+        prefill_weights_mode()
+        self.prefill_gemm = prefill_gemm(self.model_name)
+        recompute_gemm(self.model_name, self.weights)
         self.chat_template = check_chat_template(chat_template)
         self._chats: dict = {}
         self.chunk_config = ChunkConfig(chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
@@ -294,7 +298,8 @@ class LongDocQA:
         from ldqa.attention.generate import check_model_dtype
         from ldqa.attention.loader import load_model
 
-        lm = load_model(self.model_name, weights=self.weights, kv_dtype=self.kv_dtype, device=self.device)
+        lm = load_model(self.model_name, weights=self.weights, kv_dtype=self.kv_dtype, device=self.device,
+                        prefill_gemm=self.prefill_gemm)
         check_model_dtype(lm.model)
         return lm
 

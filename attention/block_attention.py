@@ -29,18 +29,24 @@ block was encoded after the same prefix). A self-check at load verifies this num
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from ldqa.attention.choices import HEADER_MODES, SELECT_METHODS
 from ldqa.attention.kv_cache import KVCache
+from ldqa.attention.quant import int8_lead_rows, prefill_gemm_as
 from ldqa.kernels import dispatch
 
 log = logging.getLogger(__name__)
+
+# Within `BlockRuntime.ranking_only`: the passes built only rank (their states are dropped)
+_RANKING_ONLY = contextvars.ContextVar("ldqa_ranking_only", default=False)
 
 # block+recompute's default: the question-aware selection (`DEFAULT_SELECT`) at 30% of the passage tokens,
 # the smallest share measured within noise of full attention on the default model (docs/results.md,
@@ -191,9 +197,26 @@ class BlockRuntime:
     select_skip_first: bool = False  # "question" selection: never the first passage (nearly exact as stored)
     # "question" selection: (layer, ratio) of gradual filtering; the module's TAPER when the runtime is made
     taper: tuple[int, float] | None = field(default_factory=lambda: TAPER)
+    # block+recompute's GEMM for the passage tokens it recomputes and for its ranking passes (`choices.
+    # RECOMPUTE_GEMMS`): "int8" multiplies them with the int8 prefill GEMM (`quant.int8_lead_rows`), the
+    # question's own rows staying bf16; the engine sets the model's (`choices.recompute_gemm`)
+    recompute_gemm: str = "bf16"
     _prefix: dict = field(default_factory=dict, repr=False)
     _headers: dict = field(default_factory=dict, repr=False)
     _anchors: OrderedDict = field(default_factory=OrderedDict, repr=False)
+
+    @staticmethod
+    @contextmanager
+    def ranking_only():
+        """Within the block (this thread or task only), the passes `prefill` runs only rank (position
+        debiasing's measurements for block+recompute, whose final context is built again): under the int8
+        `recompute_gemm` they run in int8, the stored blocks they encode on the way still in the model's
+        own GEMM."""
+        token = _RANKING_ONLY.set(True)
+        try:
+            yield
+        finally:
+            _RANKING_ONLY.reset(token)
 
     # ------------------------------------------------------------------ blocks
     def prefix_block(self, prefix_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,7 +436,14 @@ class BlockRuntime:
             fresh += range(at, at + len(q))
             slot_ids += q
         cache.policy = policy
-        logits = self._recompute(cache, slot_ids, fresh, taper=taper) if fresh else None
+        # block+recompute under the int8 recompute GEMM: the recomputed passage tokens (every fresh slot before
+        # the question) in int8, the question in bf16 (not with gradual filtering, whose passes are subsets);
+        # a pass that only ranks (`ranking_only`) wholly in int8
+        int8 = self.recompute_gemm == "int8"
+        lead = (sum(1 for i in fresh if i < len(slot_ids) - (len(segments.question) if with_question else 0))
+                if mode == "block+recompute" and int8 and taper is None else 0)
+        with prefill_gemm_as("int8") if int8 and _RANKING_ONLY.get() else int8_lead_rows(lead):
+            logits = self._recompute(cache, slot_ids, fresh, taper=taper) if fresh else None
         stats.tokens_computed += len(fresh)
         stats.assemble_ms = (time.perf_counter() - t0) * 1000
         return cache, logits, stats
@@ -494,7 +524,8 @@ class BlockRuntime:
         rec = DebiasKV(n_record=len(question), scale=self.model.cfg.attn_scale)
         cache.policy = rec
         try:
-            self._recompute(cache, slot_ids + list(question), sorted(fresh) + q_slots, self.select_layers)
+            with prefill_gemm_as(self.recompute_gemm):  # a ranking pass: its states are dropped below
+                self._recompute(cache, slot_ids + list(question), sorted(fresh) + q_slots, self.select_layers)
             mass = token_mass(self.model, cache, rec.queries, torch.tensor(q_slots), cache.length,
                               self.select_score)[:length]
         finally:
@@ -558,6 +589,9 @@ class BlockRuntime:
         in the last place of bf16 (4 * 2^-7 = 0.031): a bf16 cache rounds both sides, and quantized or bf16
         weights take bf16 activations into their matmuls, so the two encodings' hidden states already
         differ by bf16 rounding below the keys (measured up to 0.022 on tiny Gemma 3 in int4, fp32 cache).
+        The encodings take the bf16 prefill GEMM whatever the model's (`quant.prefill_gemm_as`): the int8
+        GEMM rounds each row to 1/127 of its largest value, where the two encodings' last-place differences
+        flip whole steps (Gemma 3 270M: 0.1 of the largest key), which says nothing of the rotation.
         A wrong rotation errs by O(1). On failure sets enabled=False with the reason (logged); returns
         enabled.
         """
@@ -569,7 +603,8 @@ class BlockRuntime:
         caches = []
         for start in (0, offset):
             c = self.model.new_cache(capacity=n_tokens)
-            self.model(ids, torch.arange(start, start + n_tokens), c)
+            with prefill_gemm_as("bf16"):  # the int8 GEMM's per-row rounding flips on the two encodings' ulps
+                self.model(ids, torch.arange(start, start + n_tokens), c)
             caches.append(c.block(0, n_tokens)[0])
         moved = reencode_keys_(self.model, caches[0].clone(), offset)
         err = (moved - caches[1]).abs().max().item()

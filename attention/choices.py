@@ -55,3 +55,47 @@ def prefill_weights_mode() -> str:
                          "weight after the first prefill; faster block modes, ~2 bytes per weight) or dequantize "
                          "(dequantize in every pass; no extra memory)")
     return mode
+
+
+# How a quantized layer (int8, q8_0, gguf) multiplies a prefill pass's rows (`quant.QLinear.prefill_weight`),
+# from $LDQA_PREFILL_GEMM: "bf16" (default: the weight dequantized to bf16, one bf16 GEMM) or "int8" (the
+# weight rounded to int8 per output channel, each row of activations to int8 with its own scale, one int8
+# GEMM with int32 sums: `quant.linear_int8_rows`; W8A8 with per-token dynamic activation scales,
+# SmoothQuant's per-token baseline, Xiao et al. 2023, sec. 3). Decode rows are not affected (the C
+# kernels). int8 brings Qwen2.5-Coder-1.5B's 1.4K-token prefill 1.48x sooner, but its next-token KL to the
+# fp32 model is 0.007 nats against bf16's 0.0006 and it changed 7 of 54 NQ-open answers (net -3.7 EM, SE
+# 2.6): an opt-in (docs/results.md, "The prefill GEMM in int8").
+PREFILL_GEMMS = ("bf16", "int8")
+
+
+def prefill_gemm(model: str | None = None) -> str:
+    """The prefill GEMM: $LDQA_PREFILL_GEMM, or "bf16" when unset (`PREFILL_GEMMS`; `model` is accepted for
+    a per-model default, none differs today). Raises ValueError naming the variable for another value."""
+    gemm = os.environ.get("LDQA_PREFILL_GEMM") or "bf16"
+    if gemm not in PREFILL_GEMMS:
+        raise ValueError(f"$LDQA_PREFILL_GEMM={gemm!r}: set it to bf16 (the default: prefill GEMMs in bf16) or "
+                         "int8 (int8 weights and per-token int8 activations: a faster first token, a rounding "
+                         "that changes some answers)")
+    return gemm
+
+
+# block+recompute's GEMM for the passage tokens it recomputes and for its passes that only rank (the
+# selection's question pass, debiasing's measurements on the plain block cache): "int8" (`quant.
+# int8_lead_rows`, `quant.prefill_gemm_as`; the question's own rows stay bf16) where it was measured to keep
+# the mode's accuracy and speed it up, per model and weight format (`DEFAULT_RECOMPUTE_GEMM`); "bf16"
+# elsewhere. Qwen2.5-Coder-1.5B (gguf), 24 NQ-open prompts with calibrate+reorder: KL to full attention
+# 0.028 against bf16's 0.030 (the recomputed tokens' own error is far larger than int8's rounding) (docs/
+# results.md, "Block reuse: where the points go", "The recomputed tokens in int8").
+RECOMPUTE_GEMMS = PREFILL_GEMMS
+DEFAULT_RECOMPUTE_GEMM = {("qwen2.5-coder-1.5b-instruct", "gguf"): "int8"}
+
+
+def recompute_gemm(model: str, weights: str) -> str:
+    """block+recompute's recompute GEMM for `model` in weight format `weights`: $LDQA_RECOMPUTE_GEMM when
+    set, else `DEFAULT_RECOMPUTE_GEMM`'s, else "bf16". Raises ValueError naming the variable for a value not
+    in `RECOMPUTE_GEMMS`."""
+    gemm = os.environ.get("LDQA_RECOMPUTE_GEMM") or DEFAULT_RECOMPUTE_GEMM.get((model, weights), "bf16")
+    if gemm not in RECOMPUTE_GEMMS:
+        raise ValueError(f"$LDQA_RECOMPUTE_GEMM={gemm!r}: set it to int8 or bf16 (block+recompute's recomputed "
+                         "tokens), or unset it for the model's measured default")
+    return gemm

@@ -22,6 +22,7 @@ back to full attention when its RoPE self-check failed). Debias methods: "none",
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -181,9 +182,11 @@ class Engine:
     def block_runtime(self):
         """The BlockRuntime of this model (created, and RoPE self-checked, on first use)."""
         from ldqa.attention.block_attention import BlockRuntime
+        from ldqa.attention.choices import recompute_gemm
 
         if self._block_runtime is None:
-            rt = BlockRuntime(self.llm.model, self.llm.fingerprint, self.kv_store)
+            rt = BlockRuntime(self.llm.model, self.llm.kv_fingerprint, self.kv_store,
+                              recompute_gemm=recompute_gemm(self.llm.name, self.llm.weights))
             rt.self_check()
             self._block_runtime = rt
         return self._block_runtime
@@ -210,7 +213,7 @@ class Engine:
             from ldqa.attention.buckets import bucket_context
 
             out.context, out.runner, out.stats = bucket_context(
-                model, self.llm.fingerprint, build(passages), max_new, debias.bucket_scales, self.memo,
+                model, self.llm.kv_fingerprint, build(passages), max_new, debias.bucket_scales, self.memo,
                 self.share_bucket_layers)
         else:
             from ldqa.attention.debias import debiased_context
@@ -219,9 +222,13 @@ class Engine:
             # then recomputes only the final order
             cheap = mode == "block+recompute"
             measured = "block" if cheap else mode
+
+            def measure(ps):  # (block+recompute's measurements only rank: `BlockRuntime.ranking_only`)
+                with self.block_runtime.ranking_only() if cheap else nullcontext():
+                    return self.measure(ps, build, measured, cfg.block, max_new)
+
             out.context, out.passages, out.stats = debiased_context(
-                model, passages, debias, max_new,
-                measure=lambda ps: self.measure(ps, build, measured, cfg.block, max_new),
+                model, passages, debias, max_new, measure=measure,
                 build=lambda ps, policy=None, scores=None: self.build_context(ps, build, mode, cfg.block, max_new,
                                                                              policy, scores=scores),
                 bias_curve=lambda k: self.bias_curve(k, measured, block_headers=cfg.block.headers), rebuild=cheap,
@@ -239,7 +246,7 @@ class Engine:
         model = self.llm.model
         prompt = build(passages)
         if mode == "full" and policy is None:
-            return exact_prefill(model, self.llm.fingerprint, prompt, max_new, theta_scale, memo=self.memo)
+            return exact_prefill(model, self.llm.kv_fingerprint, prompt, max_new, theta_scale, memo=self.memo)
         if mode in ("full", "retrieval"):
             return policy_prefill(model, prompt, max_new, policy)
         from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_SELECT

@@ -9,6 +9,7 @@ checks are here too (`default_weights`, `check_weights`, `check_kv_dtype`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 
 from ldqa.attention.cache_dir import cache_root  # noqa: F401  (re-exported: callers read loader.cache_root)
+from ldqa.attention.choices import PREFILL_GEMMS
+from ldqa.attention.choices import prefill_gemm as choose_prefill_gemm
 from ldqa.attention.config import ModelConfig
 from ldqa.attention.decode_runner import choose_runner
 from ldqa.attention.device import DEVICE_WEIGHTS, check_weights_on, device_kind, resolve_device
@@ -28,7 +31,7 @@ from ldqa.attention.model_sources import DEFAULT_MODEL, ModelLoadError, _source,
 from ldqa.attention.model_sources import (  # noqa: F401  (re-exported: callers import them from the loader)
     check_model_name, gguf_architecture, gguf_expected_size, model_fingerprint, resolve_gguf)
 from ldqa.attention.quant import (DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QEmbedding, QLinear, WeightFormatError,
-                                  check_format)
+                                  check_format, set_prefill_gemm)
 from ldqa.attention.tokenizer import Tokenizer
 from ldqa.attention.weight_cache import _convert, _ensure_weights, _read_cache
 from ldqa.kernels import cpu_linear
@@ -43,6 +46,7 @@ DEFAULT_WEIGHTS = "gguf"
 DEFAULT_WEIGHTS_HF = "q8_0"
 FALLBACK_WEIGHTS = "int8"
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # choices.KV_DTYPES
+INT8_GEMM_FORMATS = ("int8", "q8_0", "gguf")  # the formats whose prefill GEMM `prefill_gemm` chooses
 
 FP16_NAMES = ("fp16", "float16", "f16", "half")
 FP16_HELP = ("ldqa has no float16 format: float16 tops out at 65504, Gemma 3's activations exceed that and "
@@ -54,7 +58,8 @@ class LoadedModel:
     """A ready model: `model` (ldqa Transformer, eval mode), `tokenizer`, `name`, `fingerprint` (sha256
     of the weights' source, and of the weight format unless fp32; it keys KV blocks), `source` (the .gguf
     file or HF directory), `hf_dir` (config.json and tokenizer files), `weights` (format), `group_size`
-    (int4's input channels per scale), `kv_dtype` ("fp32" or "bf16") and `device` ("cpu", "cuda", "cuda:N")."""
+    (int4's input channels per scale), `kv_dtype` ("fp32" or "bf16"), `device` ("cpu", "cuda", "cuda:N") and
+    `prefill_gemm` (`choices.PREFILL_GEMMS`: how its quantized layers multiply prefill rows)."""
 
     name: str
     model: Transformer
@@ -66,10 +71,20 @@ class LoadedModel:
     group_size: int = DEFAULT_GROUP_SIZE
     kv_dtype: str = "fp32"
     device: str = "cpu"
+    prefill_gemm: str = "bf16"
 
     @property
     def config(self) -> ModelConfig:
         return self.model.cfg
+
+    @property
+    def kv_fingerprint(self) -> str:
+        """What keys the KV states this model computes (stored blocks, the memo of exact prefills): its
+        `fingerprint`, and the prefill GEMM where the int8 one computes them (`quant.QLinear.prefill_gemm`).
+        Bias curves stay keyed by `fingerprint`: a position bias is the weights', not a GEMM's rounding."""
+        if self.prefill_gemm == "bf16" or self.weights not in INT8_GEMM_FORMATS:
+            return self.fingerprint
+        return hashlib.sha256(f"{self.fingerprint}:prefill-gemm={self.prefill_gemm}".encode()).hexdigest()
 
 
 _LOCK = threading.Lock()
@@ -128,7 +143,7 @@ def default_weights(name: str | None = None, device: str = "cpu") -> str:
 
 
 def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int = DEFAULT_GROUP_SIZE,
-               kv_dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
+               kv_dtype: str = "fp32", device: str = "cpu", prefill_gemm: str | None = None) -> LoadedModel:
     """Load (once per process) a packaged model name, a .gguf path or a HF model directory.
 
     weights: one of `quant.WEIGHT_FORMATS` (fp32, the reference and this function's default; bf16; int8;
@@ -136,25 +151,37 @@ def load_model(name: str = DEFAULT_MODEL, weights: str = "fp32", group_size: int
     (`default_weights()`). kv_dtype: "fp32" or "bf16", the dtype of the in-memory KV cache. device: "cpu",
     "cuda" or "cuda:N" (`device.resolve_device` resolves "auto"): the weights are read on the CPU, then
     moved to the device, where they take only the formats it runs (`device.check_weights_on`: bf16 or fp32
-    on CUDA); the KV caches the model makes are on the device too.
+    on CUDA); the KV caches the model makes are on the device too. prefill_gemm: "bf16" or "int8", how
+    the int8, q8_0 and gguf formats multiply prefill rows (`quant.QLinear.prefill_weight`; None: the
+    model's, `choices.prefill_gemm`, which reads $LDQA_PREFILL_GEMM).
     Raises ModelLoadError (missing package/file, unreadable weights), UnsupportedModelError (architecture
     or RoPE variant not implemented; the message names it and the supported ones; checked from the
     file's metadata before any conversion), WeightFormatError (unknown format, float16, or one this torch
-    build cannot run), ValueError (a device torch does not see, or a format it does not run).
+    build cannot run), ValueError (a device torch does not see, a format it does not run, a prefill GEMM
+    not in `choices.PREFILL_GEMMS`).
     """
     device = resolve_device(device)
     check_weights(weights, group_size, device)
     check_kv_dtype(kv_dtype)
+    prefill_gemm = check_prefill_gemm(prefill_gemm if prefill_gemm is not None else choose_prefill_gemm(name))
     retain_freed_memory()  # a prefill's buffers are reused, not faulted in again (attention/memory.py)
     gs = group_size if weights == "int4" else DEFAULT_GROUP_SIZE
-    key = (name, weights, gs, kv_dtype, device)
+    key = (name, weights, gs, kv_dtype, device, prefill_gemm)
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = _load(name, weights, gs, kv_dtype, device)
+            _LOADED[key] = _load(name, weights, gs, kv_dtype, device, prefill_gemm)
         return _LOADED[key]
 
 
-def _load(name: str, weights: str, group_size: int, kv_dtype: str, device: str = "cpu") -> LoadedModel:
+def check_prefill_gemm(gemm: str) -> str:
+    """`gemm` if it is one of `choices.PREFILL_GEMMS`, else ValueError naming the choices."""
+    if gemm not in PREFILL_GEMMS:
+        raise ValueError(f"prefill_gemm={gemm!r}: use one of {', '.join(PREFILL_GEMMS)}")
+    return gemm
+
+
+def _load(name: str, weights: str, group_size: int, kv_dtype: str, device: str = "cpu",
+          prefill_gemm: str = "bf16") -> LoadedModel:
     src = _source(name)
     if weights == "gguf" and src.kind != "gguf":
         raise WeightFormatError(f"weights='gguf' keeps a GGUF file's own quantized blocks, and {name} is a "
@@ -170,12 +197,13 @@ def _load(name: str, weights: str, group_size: int, kv_dtype: str, device: str =
         weights_on_huge_pages(model)  # a decode step streams every weight: 2 MB pages spare the TLB misses
     model.kv_dtype = KV_DTYPES[kv_dtype]
     model.weight_format = weights
+    set_prefill_gemm(model, prefill_gemm)
     model.decoder = choose_runner(model)  # q8_0 and gguf weights decode in C; prefill runs the modules
     model.model_name = name  # error messages of the runtime (generate.NonFiniteLogitsError) name it
     tok = Tokenizer(_auto_tokenizer(src.meta_dir), src.cfg.eos_token_ids)
     fp = weights_fingerprint(src.fingerprint, weights, group_size)
     return LoadedModel(name, model, tok, fp, str(src.path), str(src.meta_dir), weights, group_size, kv_dtype,
-                       device)
+                       device, prefill_gemm)
 
 
 def _auto_tokenizer(d: Path):

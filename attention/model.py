@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ldqa.attention.config import ModelConfig, inv_freq
 from ldqa.attention.decode_runner import DecodeRunner, TorchLayers
 from ldqa.attention.kv_cache import KVCache
-from ldqa.attention.quant import pass_rows
+from ldqa.attention.quant import int8_lead_active, pass_rows
 from ldqa.kernels import dispatch
 
 
@@ -342,7 +342,8 @@ class MLP(nn.Module):
         rows = x.numel() // x.shape[-1]
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         ws = ([p.prefill_weight(rows) for p in projections]
-              if rows > MLP_CHUNK_ROWS and all(hasattr(p, "prefill_weight") for p in projections) else [None])
+              if rows > MLP_CHUNK_ROWS and all(hasattr(p, "prefill_weight") for p in projections)
+              and not int8_lead_active() else [None])  # (a pass split between two GEMMs: whole, `QLinear`)
         if any(w is None for w in ws):
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         x2 = x.reshape(rows, x.shape[-1])

@@ -18,7 +18,7 @@ weight-only matmul and returns the result in the input's dtype.
   per block, w[n, k] = d[n, k // 32] * q[n, k]. A GGUF tensor stored as Q8_0 (Gemma 3's embedding and tied
   LM head) round-trips exactly; 4-6-bit GGUF blocks fit it with a rounding far below their own step.
   Matmul: ldqa's own CPU kernel (`ldqa.kernels.cpu_linear`, C, built at first use) for decode rows, a
-  dequantized bf16 GEMM for prefill rows; no aten or torchao op reads group-wise int8 on the CPU, and the
+  dequantized bf16 (or int8) GEMM for prefill rows; no aten or torchao op reads group-wise int8 on the CPU, and the
   packed int8 op is what held decode to 0.46x llama.cpp's.
 
 - gguf: a GGUF file's own quantized blocks, as shipped (docs/models.md#weight-formats): every matrix stored in a block type the
@@ -26,8 +26,17 @@ weight-only matmul and returns the result in the input's dtype.
   bytes, so the model computes with exactly the file's weights (the fp32 reference's, which dequantizes the
   same bytes) and decode reads 4.5-6.6 bits per weight instead of q8_0's 8.5; Q8_0 tensors are q8_0 (the
   same values), and tensors of other types (Q2_K, Q3_K, Q5_K, IQ*) are rounded to q8_0. Matmul: the same C
-  kernel for decode rows (`gguf_blocks.h`), a dequantized bf16 GEMM for prefill rows. Only a GGUF source
+  kernel for decode rows (`gguf_blocks.h`), a dequantized bf16 (or int8) GEMM for prefill rows. Only a GGUF source
   has blocks: a Hugging Face directory asked for gguf is refused (use q8_0).
+
+Prefill GEMM: a pass of many rows (PREFILL_ROWS for int8 and q8_0, GGUF_PREFILL_ROWS for gguf) multiplies
+through a prefill weight made once per layer (`QLinear.prefill_weight`): the weight dequantized to bf16
+for a bf16 GEMM, or, under the int8 prefill GEMM (`QLinear.prefill_gemm` from $LDQA_PREFILL_GEMM, an
+opt-in; `prefill_gemm_as` and `int8_lead_rows` for block+recompute's passes), the weight rounded to int8 per output channel and
+each row of activations to int8 with its own scale, one int8 GEMM with exact int32 sums (aten `_int_mm`:
+oneDNN's VNNI kernels on x86), both scales applied in fp32 (`linear_int8_rows`; W8A8 with dynamic
+per-token activation scales, SmoothQuant's per-token baseline, Xiao et al. 2023, sec. 3). Decode rows
+(below those counts) are not affected.
 
 Why these aten ops and not torchao: they are what gpt-fast builds on and what torchao's int4 CPU layout
 calls underneath, they ship inside the pinned torch wheel (nothing more to install), and a layer here is
@@ -44,6 +53,7 @@ from __future__ import annotations
 import contextvars
 import logging
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -82,6 +92,48 @@ def pass_rows(rows: int):
         yield
     finally:
         _PASS_ROWS.reset(token)
+
+
+# A prefill GEMM every layer takes within a block (`prefill_gemm_as`), "" outside one
+_GEMM_OVERRIDE = contextvars.ContextVar("ldqa_prefill_gemm", default="")
+# Within `int8_lead_rows(n)`: a pass's first n rows take the int8 GEMM, the others bf16; 0 outside one
+_INT8_LEAD = contextvars.ContextVar("ldqa_int8_lead_rows", default=0)
+
+
+@contextmanager
+def prefill_gemm_as(gemm: str):
+    """Within the block (this thread or task only), every `QLinear` multiplies prefill rows with the
+    `gemm` GEMM ("bf16" or "int8") whatever its `prefill_gemm`: a numeric check whose tolerance is bf16's
+    (`block_attention.BlockRuntime.self_check`), a pass whose states only rank (block+recompute's
+    selection and measurements, `BlockRuntime.recompute_gemm`). Raises ValueError for another value."""
+    from ldqa.attention.choices import PREFILL_GEMMS
+
+    if gemm not in PREFILL_GEMMS:
+        raise ValueError(f"prefill GEMM {gemm!r}: use one of {', '.join(PREFILL_GEMMS)}")
+    token = _GEMM_OVERRIDE.set(gemm)
+    try:
+        yield
+    finally:
+        _GEMM_OVERRIDE.reset(token)
+
+
+@contextmanager
+def int8_lead_rows(n: int):
+    """Within the block (this thread or task only), a prefill pass's first `n` rows take the int8 GEMM
+    and its other rows the bf16 GEMM, in every `QLinear` with a prefill weight (`QLinear.prefill_weight`):
+    block+recompute's recomputed passage tokens in int8, the question after them in bf16
+    (`BlockRuntime.recompute_gemm`). A pass that runs only its last rows at a layer (`pass_rows`) runs
+    them in bf16 there. n = 0: no split."""
+    token = _INT8_LEAD.set(max(0, int(n)))
+    try:
+        yield
+    finally:
+        _INT8_LEAD.reset(token)
+
+
+def int8_lead_active() -> bool:
+    """Whether an `int8_lead_rows` split is in force here (`model.MLP` then multiplies whole passes)."""
+    return _INT8_LEAD.get() > 0
 
 
 class WeightFormatError(ValueError):
@@ -137,6 +189,34 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """q (N, K) int8, scales (N,) -> w (N, K) in `dtype`."""
     return q.to(dtype) * scales.to(dtype)[:, None]
+
+
+class Int8Weight(NamedTuple):
+    """A prefill weight for the int8 GEMM (`linear_int8_rows`): w (N, K) ~= q * scale[:, None], q (N, K)
+    int8 in [-127, 127], scale (N,) float32 (`quantize_int8`)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) symmetric int8: x (M, K) float -> xq (M, K) int8, scale (M, 1) float32 with
+    x ~= xq * scale, scale = amax / 127 (an all-zero row: scale 0, xq 0); rounding to nearest, ties to even.
+    The dynamic per-token activation quantization of W8A8 (SmoothQuant, Xiao et al. 2023, sec. 3)."""
+    x = x.float()
+    amax = x.abs().amax(dim=1, keepdim=True)  # (M, 1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(x * inv).to(torch.int8), amax / 127.0
+
+
+def linear_int8_rows(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """x (M, K) float32/bf16, w an `Int8Weight` (N, K) -> x @ w.T (M, N) float32: the rows rounded to int8
+    each with its own scale (`quantize_rows_int8`), one int8 GEMM with exact int32 sums (aten `_int_mm`,
+    oneDNN's VNNI kernels on x86), then both scales applied in fp32. Each row's result depends on that row
+    alone. Raises RuntimeError (from the op) where this torch build has no CPU int8 GEMM."""
+    xq, sx = quantize_rows_int8(x)
+    y = torch._int_mm(xq, w.q.t())  # (M, N) int32
+    return y.float().mul_(w.scale).mul_(sx)  # (mixed int32 * float32 ops take a slow path: 10x this)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -204,6 +284,10 @@ class QLinear(nn.Module):
     stored as int8 instead (`fmt` then says int8; a log line names the layer).
     """
 
+    # the prefill GEMM (`choices.PREFILL_GEMMS`): "bf16" or "int8" (`prefill_weight`); the loader sets the
+    # model's (`choices.prefill_gemm`)
+    prefill_gemm = "bf16"
+
     def __init__(self, in_features: int, out_features: int, fmt: str, group_size: int = DEFAULT_GROUP_SIZE):
         super().__init__()
         self.in_features, self.out_features, self.fmt, self.group_size = in_features, out_features, fmt, group_size
@@ -264,6 +348,8 @@ class QLinear(nn.Module):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.fmt == "bf16":
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), self.weight)
+        elif (lead := _INT8_LEAD.get()) and self.takes_gemm(rows):
+            return self._apply_split(x, rows, lead)
         elif (w := self.prefill_weight(rows)) is not None:
             # many rows (prefill): dequantize once, one bf16 GEMM (int8: faster than the packed op)
             return self.apply_prefill(x, w)
@@ -277,38 +363,76 @@ class QLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def prefill_weight(self, rows: int) -> torch.Tensor | None:
-        """The bf16 weight (N, K) that `forward` multiplies `rows` rows of activations with in one GEMM
-        (int8 and q8_0 with at least PREFILL_ROWS rows, gguf with GGUF_PREFILL_ROWS), dequantized now;
-        None where forward takes another path (fp32, bf16, int4, the packed int8 op, the C decode kernel).
+    def _apply_split(self, x: torch.Tensor, rows: int, lead: int) -> torch.Tensor:
+        """A prefill of `rows` rows under `int8_lead_rows(lead)`: x's first `lead` rows through the int8
+        GEMM, the rest through bf16; x holding fewer than `rows` rows (`pass_rows`) is the pass's last rows."""
+        x2 = x.reshape(-1, self.in_features)
+        lead = min(lead, len(x2)) if len(x2) == rows else 0
+        parts = []
+        if lead:
+            parts.append(self.apply_prefill(x2[:lead], self.prefill_weight(rows, "int8")))
+        if lead < len(x2):
+            parts.append(self.apply_prefill(x2[lead:], self.prefill_weight(rows, "bf16")))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def prefill_weight(self, rows: int, gemm: str | None = None) -> torch.Tensor | Int8Weight | None:
+        """The weight that `forward` multiplies `rows` rows of activations with in one GEMM (int8 and q8_0
+        with at least PREFILL_ROWS rows, gguf with GGUF_PREFILL_ROWS) under `gemm` (None: a `prefill_gemm_as`
+        in force, else the layer's `prefill_gemm`): "bf16", the weight (N, K) dequantized to bf16; "int8",
+        an `Int8Weight` (the int8 format's own values; q8_0 and gguf weights dequantized and rounded to int8
+        per output channel). None where forward takes another path (fp32, bf16, int4, the packed int8 op,
+        the C decode kernel).
         With `apply_prefill` it lets a caller split the rows into chunks and dequantize once
-        (`MLP.forward`). Under $LDQA_PREFILL_WEIGHTS=keep (the default) the weight is dequantized once per
-        process and kept on the layer (`prefill_weights_mode`); under "dequantize" a kept one is dropped. Raises ValueError for a bad
-        $LDQA_PREFILL_WEIGHTS."""
-        if not ((self.fmt == "int8" and rows >= PREFILL_ROWS) or (self.fmt in ("q8_0", "gguf") and rows >= self.gemm_rows())):
+        (`MLP.forward`). Under $LDQA_PREFILL_WEIGHTS=keep (the default) the weight is made once per
+        process and kept on the layer, one per prefill GEMM used (`prefill_weights_mode`); under
+        "dequantize" the kept ones are dropped. Raises ValueError for a bad $LDQA_PREFILL_WEIGHTS."""
+        if not self.takes_gemm(rows):
             return None
         keep = prefill_weights_mode() == "keep"
-        kept = self.__dict__.get("_kept_prefill_weight") if keep else self.__dict__.pop("_kept_prefill_weight", None)
-        if kept is not None and keep:
-            return kept
-        if self.fmt == "int8":
+        gemm = gemm or _GEMM_OVERRIDE.get() or self.prefill_gemm
+        int8 = gemm == "int8"
+        kept = self.__dict__.get("_kept_prefill_weight", {}) if keep else self.__dict__.pop("_kept_prefill_weight", {})
+        if keep and gemm in kept:
+            return kept[gemm]
+        if int8 and self.fmt == "int8":
+            w = Int8Weight(self.qweight, self.scales.float())
+        elif int8:
+            w = Int8Weight(*quantize_int8(self.dequantized(torch.float32)))
+        elif self.fmt == "int8":
             w = self.qweight.to(torch.bfloat16) * self.scales[:, None]
         else:
             w = self.dequantized(torch.bfloat16)
         if keep:
-            self.__dict__["_kept_prefill_weight"] = w
+            self.__dict__.setdefault("_kept_prefill_weight", {})[gemm] = w
         return w
+
+    def kept_prefill_bytes(self) -> int:
+        """Bytes of the prefill weights this layer keeps now (`prefill_weight`, one per prefill GEMM used;
+        the int8 format's own values under the int8 GEMM count only their fp32 scales)."""
+        total = 0
+        for w in self.__dict__.get("_kept_prefill_weight", {}).values():
+            if isinstance(w, Int8Weight):
+                own = self.fmt == "int8" and w.q is self.qweight
+                total += (0 if own else w.q.numel()) + w.scale.numel() * 4
+            else:
+                total += w.numel() * w.element_size()
+        return total
 
     def row_independent(self, rows: int) -> bool:
         """Whether `forward` computes an input of `rows` rows as one op whose every row is that row's alone:
-        the float formats and the bf16 prefill GEMM (any subset of the rows, under `pass_rows(rows)`, gets
-        the same arithmetic); not the C kernels or the packed ops, whose rounding depends on the row count
-        (a gguf K-type decode row: int8 activations per 256)."""
-        return self.fmt in ("fp32", "bf16") or (self.fmt == "int8" and rows >= PREFILL_ROWS) or (
-            self.fmt in ("q8_0", "gguf") and rows >= self.gemm_rows())
+        the float formats and the prefill GEMM, bf16 or int8 (per-row scales, exact int32 sums): any subset
+        of the rows, under `pass_rows(rows)`, gets the same arithmetic; not the C kernels or the packed ops,
+        whose rounding depends on the row count (a gguf K-type decode row: int8 activations per 256)."""
+        return self.fmt in ("fp32", "bf16") or self.takes_gemm(rows)
+
+    def takes_gemm(self, rows: int) -> bool:
+        """Whether `forward` multiplies `rows` rows through a prefill weight (`prefill_weight`): int8 and
+        q8_0 from PREFILL_ROWS rows, gguf from GGUF_PREFILL_ROWS."""
+        return (self.fmt == "int8" and rows >= PREFILL_ROWS) or (self.fmt in ("q8_0", "gguf") and rows >= self.gemm_rows())
 
     def drop_prefill_weight(self) -> None:
-        """Forget the kept bf16 prefill weight (`PREFILL_WEIGHT_MODES`); the next prefill dequantizes again."""
+        """Forget the kept prefill weights (`PREFILL_WEIGHT_MODES`); the next prefill makes them again."""
         self.__dict__.pop("_kept_prefill_weight", None)
 
     def gemm_rows(self) -> int:
@@ -316,10 +440,15 @@ class QLinear(nn.Module):
         for gguf, PREFILL_ROWS for the other formats; fewer rows of q8_0 and gguf run the C kernel."""
         return GGUF_PREFILL_ROWS if self.fmt == "gguf" else PREFILL_ROWS
 
-    def apply_prefill(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def apply_prefill(self, x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
         """x (..., in_features) float32/bf16, w the layer's `prefill_weight` -> (..., out_features) in x's
-        dtype: the bf16 GEMM of forward's prefill path (bias added in x's dtype), for any number of rows."""
-        y = torch.nn.functional.linear(x.reshape(-1, self.in_features).to(torch.bfloat16), w).to(x.dtype)
+        dtype: the GEMM of forward's prefill path (bf16, or int8 for an `Int8Weight`: `linear_int8_rows`;
+        bias added in x's dtype), for any number of rows."""
+        x2 = x.reshape(-1, self.in_features)
+        if isinstance(w, Int8Weight):
+            y = linear_int8_rows(x2, w).to(x.dtype)
+        else:
+            y = torch.nn.functional.linear(x2.to(torch.bfloat16), w).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -419,6 +548,20 @@ def quantize_portable(w: torch.Tensor, fmt: str, group_size: int = DEFAULT_GROUP
         return {"qweight": q, "scales": s}
     nib, s, z = quantize_int4(w, group_size)
     return {"nibbles": nib, "scales": s, "zeros": z, "group_size": torch.tensor(group_size)}
+
+
+def set_prefill_gemm(model: nn.Module, gemm: str) -> None:
+    """Set the prefill GEMM ("bf16" or "int8", `choices.PREFILL_GEMMS`) of every `QLinear` of `model` (the
+    loader sets the model's own at load; benchmarks switch it to compare the two on one loaded model). KV
+    states computed under one setting are not those of the other: a caller that switches keeps them apart
+    (`loader.LoadedModel.kv_fingerprint`). Raises ValueError for another value."""
+    from ldqa.attention.choices import PREFILL_GEMMS
+
+    if gemm not in PREFILL_GEMMS:
+        raise ValueError(f"prefill GEMM {gemm!r}: use one of {', '.join(PREFILL_GEMMS)}")
+    for m in model.modules():
+        if isinstance(m, QLinear):
+            m.prefill_gemm = gemm
 
 
 def model_nbytes(model: nn.Module) -> int:

@@ -464,3 +464,55 @@ def test_taper_stops_the_lesser_chosen_tokens_at_its_layer_with_exact_kv_there(l
     _, plain, _ = rt.prefill(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.2)
     rt.taper = (j, 0.2)
     assert torch.equal(ref_logits, plain) and not torch.equal(logits, plain)
+
+
+def test_int8_recompute_gemm_takes_the_recomputed_tokens_in_int8_and_the_question_in_bf16(tiny_model_dir, monkeypatch):
+    """block+recompute with recompute_gemm "int8": the final pass splits at the question (its recomputed
+    passage tokens through the int8 GEMM, the question's rows through bf16), the selection's question pass
+    runs in int8; with every token recomputed the logits stay close to full attention's (int8 rounding of
+    the passage tokens only), and the bf16 runtime's are as before."""
+    from ldqa.attention import quant as Q
+    from ldqa.kernels import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("no C kernel on this machine")
+    lm = load_model(str(tiny_model_dir("llama")), weights="q8_0")
+    seg = build_prompt(lm.tokenizer, PASSAGES * 3, "How much lumber does the chamber hold?")
+    ids, n_q = seg.ids(), len(seg.question)
+    full = _full_logits(lm, ids)[-1]
+    splits, gemms = [], []
+    real = Q.QLinear._apply_split
+    monkeypatch.setattr(Q.QLinear, "_apply_split", lambda self, x, rows, lead: splits.append((rows, lead)) or
+                        real(self, x, rows, lead))
+    real_pw = Q.QLinear.prefill_weight
+    def spy(self, rows, gemm=None):
+        w = real_pw(self, rows, gemm)
+        if w is not None and gemm is None:  # (a split names its GEMMs: not recorded)
+            gemms.append(Q._GEMM_OVERRIDE.get() or self.prefill_gemm)
+        return w
+
+    monkeypatch.setattr(Q.QLinear, "prefill_weight", spy)
+    rt16 = BlockRuntime(lm.model, "fp")
+    _, exact16, _ = rt16.prefill(seg, [None] * 9, mode="block+recompute", recompute_ratio=1.0)
+    assert not splits and set(gemms) == {"bf16"}
+    rt8 = BlockRuntime(lm.model, "fp", recompute_gemm="int8")
+    _, exact8, stats = rt8.prefill(seg, [None] * 9, mode="block+recompute", recompute_ratio=1.0)
+    n = stats.tokens_recomputed + n_q
+    assert splits and set(splits) == {(n, n - n_q)}
+    scale = full.abs().max()
+    assert (exact16[0, -1] - full).abs().max() < 1e-2 * scale
+    assert (exact8[0, -1] - full).abs().max() < 0.1 * scale and not torch.equal(exact8, exact16)
+    splits.clear(), gemms.clear()
+    monkeypatch.setattr(Q, "PREFILL_ROWS", 4)  # the question's few rows take the GEMM too
+    rt8.prefill(seg, [None] * 9, mode="block+recompute", recompute_ratio=0.3)
+    assert "int8" in gemms  # the selection's question pass (the passages' encodings: bf16)
+    assert splits and all(lead == rows - n_q for rows, lead in splits)
+    # a measurement that only ranks: the blocks it encodes on the way in the model's GEMM, its pass in int8
+    gemms.clear()
+    with rt8.ranking_only():
+        rt8.prefill(seg, [None] * 9, mode="block")
+    i = gemms.index("int8")
+    assert set(gemms[:i]) == {"bf16"} and set(gemms[i:]) == {"int8"}
+    gemms.clear()
+    rt8.prefill(seg, [None] * 9, mode="block")  # plain block answers: its question in the model's GEMM
+    assert set(gemms) == {"bf16"}

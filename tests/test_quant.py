@@ -142,7 +142,7 @@ def test_prefill_weight_is_dequantized_once_and_kept_unless_asked_otherwise(fmt,
     first = lin.prefill_weight(40)
     y = lin(x)
     assert lin.prefill_weight(40) is first and torch.equal(lin(x), y)
-    assert torch.equal(first, lin.dequantized(torch.bfloat16))
+    assert torch.equal(first, lin.dequantized(torch.bfloat16)) and lin.kept_prefill_bytes() == 64 * 128 * 2
     assert lin.prefill_weight(1) is None  # decode rows take the quantized kernels as before
     monkeypatch.setenv("LDQA_PREFILL_WEIGHTS", "dequantize")
     again = lin.prefill_weight(40)
@@ -155,6 +155,152 @@ def test_prefill_weight_is_dequantized_once_and_kept_unless_asked_otherwise(fmt,
     monkeypatch.setenv("LDQA_PREFILL_WEIGHTS", "cache")
     with pytest.raises(ValueError, match=r"\$LDQA_PREFILL_WEIGHTS='cache'.*keep.*dequantize"):
         lin.prefill_weight(40)
+
+
+def test_rows_round_to_int8_within_half_a_step_each_with_its_own_scale():
+    from ldqa.attention.quant import quantize_rows_int8
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 96, generator=g) * torch.tensor([1.0, 10.0, 0.01, 1.0, 1.0, 1.0])[:, None]
+    x[3] = 0.0
+    x[4, 7] = 50.0  # one outlier coarsens its own row only
+    xq, s = quantize_rows_int8(x)
+    assert xq.dtype == torch.int8 and s.shape == (6, 1) and int(xq.abs().max()) == 127
+    assert torch.equal(s[:, 0], x.abs().amax(1) / 127)
+    assert bool(((xq.float() * s - x).abs() <= s / 2 * (1 + 1e-5)).all())
+    assert not xq[3].any() and float(s[3]) == 0.0
+    assert float(s[4]) > 10 * float(s[5])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "gguf"])
+def test_int8_prefill_gemm_multiplies_prefill_rows_in_int8_and_leaves_decode_rows_alone(fmt, monkeypatch):
+    """Under prefill_gemm "int8" a prefill's rows are rounded to int8 per row and multiplied with the weight
+    rounded to int8 per output channel: within the two roundings of x @ W.T, each row its own (a subset of
+    the rows gives the same rows bit for bit, a zero row gives the bias), the int8 format with its own
+    values; decode rows take the same path as under bf16; the kept weights are one per GEMM."""
+    from ldqa.attention.quant import Int8Weight, linear_int8_rows
+    from ldqa.kernels import cpu_linear
+
+    if fmt != "int8" and not cpu_linear.available():
+        pytest.skip("no C kernel on this machine")
+    g = torch.Generator().manual_seed(5)
+    k, n = 256, 48
+    if fmt == "gguf":
+        from pathlib import Path
+
+        monkeypatch.syspath_prepend(str(Path(__file__).parent))
+        from test_gguf_blocks import random_blocks
+
+        lin = QLinear.from_portable({"ggml_type": 12, "blocks": random_blocks(12, n, k, seed=3)}, None, k, n)
+        lin.bias = torch.randn(n, generator=g)
+    else:
+        lin = QLinear.from_float(torch.randn(n, k, generator=g), torch.randn(n, generator=g), fmt)
+    w = lin.dequantized()
+    x = torch.randn(40, k, generator=g)
+    x[9] = 0.0
+    decode = x[:1]
+    bf16_decode = lin(decode)
+    bf16 = lin(x)
+    lin.prefill_gemm = "int8"
+    y = lin(x)
+    want = x @ w.T + lin.bias
+    # the bound of the two roundings: |x| |dW| + |dx| |W| per output, each half a step
+    sx, sw = x.abs().amax(1, keepdim=True) / 127, w.abs().amax(1) / 127
+    bound = (x.abs() @ (sw / 2)[None, :].expand(k, n) + (sx / 2) * w.abs().sum(1)[None, :]) * 1.01 + 1e-4
+    assert bool(((y - want).abs() <= bound).all())
+    assert float((y - want).abs().max()) < float((bf16 - want).abs().max()) * 20  # the same order as bf16's
+    assert torch.equal(lin(x[5:40])[4:], y[9:]) and torch.equal(y[9], lin.bias)
+    assert torch.equal(lin(decode), bf16_decode)  # one row: the decode path, as under bf16
+    kept = lin.prefill_weight(40)
+    assert isinstance(kept, Int8Weight) and lin.prefill_weight(40) is kept
+    assert torch.equal(linear_int8_rows(x, kept) + lin.bias, y)
+    if fmt == "int8":  # the format's own int8 values, not a copy: beside the bf16 weight, only their scales
+        assert kept.q is lin.qweight and lin.kept_prefill_bytes() == n * k * 2 + n * 4
+    else:
+        assert lin.kept_prefill_bytes() == n * k * 2 + n * k + n * 4
+    lin.prefill_gemm = "bf16"
+    assert torch.equal(lin(x), bf16)
+
+
+def test_int8_lead_rows_split_a_pass_between_the_two_gemms_and_prefill_gemm_as_overrides(monkeypatch):
+    """Under int8_lead_rows(n) a pass's first n rows are what the int8 GEMM gives them and the rest what
+    bf16 gives them, bit for bit; the last rows of a pass (`pass_rows`) take bf16; prefill_gemm_as sets
+    every layer's GEMM within its block; decode rows and n = 0 are untouched."""
+    from ldqa.attention import quant as Q
+    from ldqa.kernels import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("no C kernel on this machine")
+    g = torch.Generator().manual_seed(6)
+    lin = QLinear.from_float(torch.randn(48, 128, generator=g), torch.randn(48, generator=g), "q8_0")
+    x = torch.randn(40, 128, generator=g)
+    bf16 = lin(x)
+    with Q.prefill_gemm_as("int8"):
+        int8 = lin(x)
+    assert not torch.equal(int8, bf16) and torch.equal(lin(x), bf16)
+    with Q.int8_lead_rows(25):
+        assert Q.int8_lead_active()
+        split = lin(x)
+        with Q.pass_rows(40):
+            last = lin(x[-1:])
+        decode = cpu_linear.linear_q8_0(x[:1], lin.qweight, lin.bscales) + lin.bias
+        assert torch.equal(lin(x[:1]), decode)  # a decode row: the C kernel, as always
+    assert not Q.int8_lead_active()
+    assert torch.equal(split[:25], int8[:25]) and torch.equal(split[25:], bf16[25:])
+    assert torch.equal(last, bf16[-1:])
+    with Q.int8_lead_rows(0):
+        assert torch.equal(lin(x), bf16)
+    with pytest.raises(ValueError, match="'fp8'"):
+        with Q.prefill_gemm_as("fp8"):
+            pass
+
+
+def test_prefill_gemm_choice_env_and_fingerprint(tiny_model_dir, monkeypatch, tmp_path):
+    """$LDQA_PREFILL_GEMM chooses the prefill GEMM (bf16 unless set); a bad value is refused by name (by
+    LongDocQA when it is made); the int8 GEMM keys KV states apart from bf16's, bias curves not."""
+    from ldqa.attention.choices import prefill_gemm
+
+    monkeypatch.delenv("LDQA_PREFILL_GEMM", raising=False)
+    assert prefill_gemm("qwen2.5-coder-1.5b-instruct") == prefill_gemm("gemma3-270m") == "bf16"
+    d = str(tiny_model_dir("qwen2"))
+    assert load_model(d, weights="q8_0").prefill_gemm == "bf16"
+    monkeypatch.setenv("LDQA_PREFILL_GEMM", "int8")
+    assert prefill_gemm("gemma3-270m") == "int8"
+    lm8 = load_model(d, weights="q8_0")
+    assert lm8.prefill_gemm == "int8" and all(m.prefill_gemm == "int8" for m in lm8.model.modules()
+                                              if isinstance(m, QLinear))
+    lm16 = load_model(d, weights="q8_0", prefill_gemm="bf16")
+    assert lm16.model is not lm8.model and lm16.fingerprint == lm8.fingerprint
+    assert lm16.kv_fingerprint == lm16.fingerprint and lm8.kv_fingerprint != lm8.fingerprint
+    assert load_model(d, weights="fp32").kv_fingerprint == load_model(d, weights="fp32").fingerprint  # no int8 GEMM
+    monkeypatch.setenv("LDQA_PREFILL_GEMM", "fp8")
+    with pytest.raises(ValueError, match=r"\$LDQA_PREFILL_GEMM='fp8'.*bf16.*int8"):
+        prefill_gemm("gemma3-270m")
+    from ldqa.app.api import LongDocQA
+
+    with pytest.raises(ValueError, match=r"\$LDQA_PREFILL_GEMM='fp8'"):
+        LongDocQA(store=tmp_path / "s", model=d)
+    with pytest.raises(ValueError, match="prefill_gemm='fp4'"):
+        load_model(d, weights="q8_0", prefill_gemm="fp4")
+
+
+def test_block_recompute_gemm_is_the_model_s_measured_one(tiny_model_dir, tmp_path, monkeypatch):
+    from ldqa.app.api import LongDocQA
+    from ldqa.attention import choices
+
+    assert choices.recompute_gemm("qwen2.5-coder-1.5b-instruct", "gguf") == "int8"
+    assert choices.recompute_gemm("qwen2.5-coder-1.5b-instruct", "q8_0") == "bf16"
+    assert choices.recompute_gemm("gemma3-270m", "gguf") == "bf16"
+    monkeypatch.setenv("LDQA_RECOMPUTE_GEMM", "bf16")
+    assert choices.recompute_gemm("qwen2.5-coder-1.5b-instruct", "gguf") == "bf16"
+    monkeypatch.delenv("LDQA_RECOMPUTE_GEMM")
+    d = str(tiny_model_dir("llama"))
+    assert LongDocQA(store=tmp_path / "a", model=d).engine.block_runtime.recompute_gemm == "bf16"
+    monkeypatch.setitem(choices.DEFAULT_RECOMPUTE_GEMM, (d, "q8_0"), "int8")
+    assert LongDocQA(store=tmp_path / "b", model=d, weights="q8_0").engine.block_runtime.recompute_gemm == "int8"
+    monkeypatch.setenv("LDQA_RECOMPUTE_GEMM", "int4")
+    with pytest.raises(ValueError, match=r"\$LDQA_RECOMPUTE_GEMM='int4'"):
+        LongDocQA(store=tmp_path / "c", model=d)
 
 
 def test_int4_without_the_op_is_refused(monkeypatch):
@@ -204,9 +350,10 @@ def test_tied_int8_head_and_embedding_share_storage(tiny_model_dir):
         assert p.dtype == torch.float32 and "norm" in name  # norms stay fp32 parameters
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0", "q8_0/int8"])  # (format/prefill GEMM)
 def test_block_reuse_self_check_passes_with_quantized_weights(tiny_model_dir, fmt):
-    lm = load_model(str(tiny_model_dir("gemma3")), weights=fmt, group_size=32)
+    fmt, gemm = (fmt + "/bf16").split("/")[:2]
+    lm = load_model(str(tiny_model_dir("gemma3")), weights=fmt, group_size=32, prefill_gemm=gemm)
     rt = BlockRuntime(lm.model, lm.fingerprint)
     assert rt.self_check(), rt.disabled_reason
 
@@ -269,7 +416,7 @@ def test_every_attention_mode_answers_with_compact_weights_and_cache(tmp_path, t
         LongDocQA(store=tmp_path / "store", model=str(tiny_model_dir("gemma3")), weights="q4_k")
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "fp32"])
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "fp32", "q8_0/int8"])  # (format/prefill GEMM)
 def test_prefill_mlp_in_chunks_equals_the_whole_prompt(fmt, monkeypatch):
     # MLP.forward splits a long prefill into row chunks over weights dequantized once: every row is computed
     # by the same operations, so the output is the same bit for bit (fp32 projections: no chunking)
@@ -277,6 +424,7 @@ def test_prefill_mlp_in_chunks_equals_the_whole_prompt(fmt, monkeypatch):
 
     from ldqa.attention import model as M
 
+    fmt, gemm = (fmt + "/bf16").split("/")[:2]
     g = torch.Generator().manual_seed(0)
     cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu")
     mlp = M.MLP(cfg)
@@ -284,6 +432,7 @@ def test_prefill_mlp_in_chunks_equals_the_whole_prompt(fmt, monkeypatch):
         lin = getattr(mlp, name)
         setattr(mlp, name, QLinear.from_float(torch.randn(lin.out_features, lin.in_features, generator=g) * 0.1,
                                               None, fmt))
+        getattr(mlp, name).prefill_gemm = gemm
     x = torch.randn(1, 150, 64, generator=g)
     with torch.inference_mode():
         whole = mlp(x)

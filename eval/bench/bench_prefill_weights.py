@@ -37,9 +37,8 @@ def drop_kept(model) -> None:
 
 
 def kept_mb(model) -> float:
-    """MB of bf16 prefill weights `model`'s layers hold now."""
-    return sum(w.numel() * w.element_size() for m in model.modules()
-               if (w := m.__dict__.get("_kept_prefill_weight")) is not None) / 2**20
+    """MB of prefill weights `model`'s layers hold now (`quant.QLinear.kept_prefill_bytes`)."""
+    return sum(m.kept_prefill_bytes() for m in model.modules() if hasattr(m, "kept_prefill_bytes")) / 2**20
 
 
 def main(argv=None) -> int:

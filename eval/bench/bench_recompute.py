@@ -17,7 +17,9 @@ Variants (--variants, comma-separated):
                             (--part ttft: the answer runs with calibrate+reorder);
                             taper=J:T recomputes only the best T share from layer J on (gradual filtering,
                             `BlockRuntime.taper`); causal_group=G: the recompute pass's global
-                            attention in groups of G queries (`model.CAUSAL_GROUP`; 100000: one group)
+                            attention in groups of G queries (`model.CAUSAL_GROUP`; 100000: one group);
+                            gemm=int8 multiplies the recomputed tokens and the ranking passes with the
+                            int8 prefill GEMM, the question's rows in bf16 (`BlockRuntime.recompute_gemm`)
   oracle                    block+recompute of the gold passage whole (the answer's passage), nothing else
 Recomputing every token (e.g. question@1.0) must give full attention's answers: `same_as_full` says how
 many do. The passages' blocks are stored before a question's variants run, so every TTFT is warm. Per variant: EM by gold position, the paired difference from full (points, SE), answers that
@@ -74,6 +76,8 @@ def parse_variant(spec: str) -> dict:
                 settings["measured"] = v == "1"
             elif k == "causal_group" and int(v) >= 1:
                 settings["causal_group"] = int(v)
+            elif k == "gemm" and v in ("bf16", "int8"):
+                settings["recompute_gemm"] = v
             elif k == "taper":
                 j, _, t = v.partition(":")
                 if int(j) < 1 or not 0 <= float(t) <= 1:
@@ -87,7 +91,7 @@ def parse_variant(spec: str) -> dict:
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
-                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,taper=J:T,causal_group=G")
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,taper=J:T,causal_group=G,gemm=bf16|int8")
 
 
 def split_variants(text: str) -> list[str]:
@@ -100,7 +104,8 @@ def split_variants(text: str) -> list[str]:
     return re.split(rf",(?=(?:full|block|oracle)(?:,|$)|(?:{methods})@)", text)
 
 
-SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "taper")  # what a variant may set
+SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "taper",
+             "recompute_gemm")  # what a variant may set
 
 
 @contextmanager
@@ -312,8 +317,9 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
                 kw = parse_variant(spec)
                 mode = kw["attention"]
                 select = (pos,) if kw.get("recompute_select") == "oracle" else kw.get("recompute_select", "question")
-                scores = measured(qa, ps, ex["question"], chat, random.Random(f"{seed}-{i}")) if kw.pop(
-                    "measured", False) else None
+                with selection(qa, {k: kw[k] for k in ("recompute_gemm",) if k in kw}), rt.ranking_only():
+                    scores = measured(qa, ps, ex["question"], chat, random.Random(f"{seed}-{i}")) if kw.pop(
+                        "measured", False) else None  # (as the engine measures)
                 with selection(qa, kw):
                     c, last, stats = rt.prefill(seg, [None] * len(ps), mode=mode,
                                                 recompute_ratio=kw.get("recompute_ratio", 0.0),
