@@ -49,12 +49,18 @@ PREFILL_WEIGHT_MODES = ("keep", "dequantize")
 def prefill_weights_mode() -> str:
     """$LDQA_PREFILL_WEIGHTS, or "keep" when unset (`PREFILL_WEIGHT_MODES`). Raises ValueError naming the
     variable for any other value."""
-    mode = os.environ.get("LDQA_PREFILL_WEIGHTS") or "keep"
-    if mode not in PREFILL_WEIGHT_MODES:
-        raise ValueError(f"$LDQA_PREFILL_WEIGHTS={mode!r}: set it to keep (hold each layer's dequantized bf16 "
-                         "weight after the first prefill; faster block modes, ~2 bytes per weight) or dequantize "
-                         "(dequantize in every pass; no extra memory)")
-    return mode
+    return _env_choice("LDQA_PREFILL_WEIGHTS", "keep", PREFILL_WEIGHT_MODES,
+                       "set it to keep (hold each layer's dequantized bf16 weight after the first prefill; faster "
+                       "block modes, ~2 bytes per weight) or dequantize (dequantize in every pass; no extra memory)")
+
+
+def _env_choice(var: str, default: str, allowed: tuple, advice: str) -> str:
+    """$`var`, or `default` when unset or empty; ValueError "$VAR='value': `advice`" for a value not in
+    `allowed`."""
+    value = os.environ.get(var) or default
+    if value not in allowed:
+        raise ValueError(f"${var}={value!r}: {advice}")
+    return value
 
 
 # How a quantized layer (int8, q8_0, gguf) multiplies a prefill pass's rows (`quant.QLinear.prefill_weight`),
@@ -71,12 +77,9 @@ PREFILL_GEMMS = ("bf16", "int8")
 def prefill_gemm(model: str | None = None) -> str:
     """The prefill GEMM: $LDQA_PREFILL_GEMM, or "bf16" when unset (`PREFILL_GEMMS`; `model` is accepted for
     a per-model default, none differs today). Raises ValueError naming the variable for another value."""
-    gemm = os.environ.get("LDQA_PREFILL_GEMM") or "bf16"
-    if gemm not in PREFILL_GEMMS:
-        raise ValueError(f"$LDQA_PREFILL_GEMM={gemm!r}: set it to bf16 (the default: prefill GEMMs in bf16) or "
-                         "int8 (int8 weights and per-token int8 activations: a faster first token, a rounding "
-                         "that changes some answers)")
-    return gemm
+    return _env_choice("LDQA_PREFILL_GEMM", "bf16", PREFILL_GEMMS,
+                       "set it to bf16 (the default: prefill GEMMs in bf16) or int8 (int8 weights and per-token "
+                       "int8 activations: a faster first token, a rounding that changes some answers)")
 
 
 # block+recompute's GEMM for the passage tokens it recomputes and for its passes that only rank (the
@@ -94,8 +97,6 @@ def recompute_gemm(model: str, weights: str) -> str:
     """block+recompute's recompute GEMM for `model` in weight format `weights`: $LDQA_RECOMPUTE_GEMM when
     set, else `DEFAULT_RECOMPUTE_GEMM`'s, else "bf16". Raises ValueError naming the variable for a value not
     in `RECOMPUTE_GEMMS`."""
-    gemm = os.environ.get("LDQA_RECOMPUTE_GEMM") or DEFAULT_RECOMPUTE_GEMM.get((model, weights), "bf16")
-    if gemm not in RECOMPUTE_GEMMS:
-        raise ValueError(f"$LDQA_RECOMPUTE_GEMM={gemm!r}: set it to int8 or bf16 (block+recompute's recomputed "
-                         "tokens), or unset it for the model's measured default")
-    return gemm
+    return _env_choice("LDQA_RECOMPUTE_GEMM", DEFAULT_RECOMPUTE_GEMM.get((model, weights), "bf16"), RECOMPUTE_GEMMS,
+                       "set it to int8 or bf16 (block+recompute's recomputed tokens), or unset it for the model's "
+                       "measured default")
