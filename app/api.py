@@ -22,7 +22,7 @@ from ldqa.app.citations import cite
 from ldqa.app.options import RETRIEVERS, SEARCH_OPTIONS, AnswerOptions  # noqa: F401  (RETRIEVERS re-exported)
 from ldqa.app.options import check as check_option
 from ldqa.app.options import default as option_default
-from ldqa.app.prompt import STOP_STRINGS, build_prompt, check_prompt_options
+from ldqa.app.prompt import STOP_STRINGS, anchor_ids, build_prompt, check_prompt_options
 from ldqa.attention.choices import ATTENTION_MODES, DEFAULT_DEBIAS, default_debias  # noqa: F401  (re-exported)
 from ldqa.retrieval.ingest import FileResult, IngestReport, ingest_files, progress_bar  # noqa: F401  (re-exported)
 
@@ -188,13 +188,18 @@ class LongDocQA:
 
     def encode_rows(self, rows: list[dict], on_block=None):
         """Make sure the KV block of each chunk row (`Store.get_chunks`: id, title, text, page, header) is
-        in the KV block store, encoding the missing ones; on_block(1) after each. Returns the
+        in the KV block store as the default block modes read it (after `DEFAULT_ANCHOR_PASSAGES` anchor
+        passages), encoding the missing ones; on_block(1) after each. Returns the
         `PrefillStats` (kv_hits, kv_misses = blocks computed, encode_ms)."""
+        from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES
+
         rt, tok, chat = self.block_runtime, self.llm.tokenizer, self.chat_format()
+        anchor = anchor_ids(tok, DEFAULT_ANCHOR_PASSAGES, None, chat)  # as the default block modes encode them
         segs = [build_prompt(tok, [Passage(r["title"], r["text"], r["page"], r["id"], header=r["header"])], "?",
                              chat=chat) for r in rows]
         with self._generate_lock:
-            return rt.encode([(s.prefix, s.passages[0], r["id"]) for s, r in zip(segs, rows)], on_block=on_block)
+            return rt.encode([(s.prefix, s.passages[0], r["id"], anchor) for s, r in zip(segs, rows)],
+                             on_block=on_block)
 
     def delete(self, doc_id: int) -> int:
         """Delete a document with its chunks and vectors; returns how many chunks went."""
@@ -488,7 +493,8 @@ class LongDocQA:
             chat = self.chat_format()
             self._engine = Engine(llm, self.kv_store, self.prefill_memo,
                                   Calibration(_sample_texts, lambda ps, q: build_prompt(llm.tokenizer, ps, q, chat=chat),
-                                              "chat" if chat is not None else ""))
+                                              "chat" if chat is not None else "",
+                                              lambda n: anchor_ids(llm.tokenizer, n, None, chat)))
         return self._engine
 
     @property
@@ -642,7 +648,9 @@ def _sample_texts() -> list[str]:
 
 
 def _build_prompt(tokenizer, passages, question, settings: Settings, chat=None):
-    return build_prompt(tokenizer, passages, question, settings.instruction, settings.answer_prefix or "", chat)
+    seg = build_prompt(tokenizer, passages, question, settings.instruction, settings.answer_prefix or "", chat)
+    n = getattr(settings, "anchor_passages", None) or 0  # (benchmarks pass a namespace of the prompt options)
+    return seg.with_anchor(anchor_ids(tokenizer, n, settings.instruction, chat))
 
 
 def _check_question(question, top_k: int = 1, retriever: str = "hybrid") -> None:

@@ -23,6 +23,7 @@ import argparse
 import math
 from dataclasses import Field, dataclass, field, fields, replace
 
+from ldqa.app.prompt import ANCHOR_PASSAGES
 from ldqa.attention.choices import (ATTENTION_MODES, CALIBRATION_FORMS, DEBIAS_METHODS, DEBIAS_ORDERS,
                                     DEFAULT_DEBIAS, HEADER_MODES, SELECT_METHODS)
 
@@ -183,6 +184,10 @@ class AnswerOptions:
     block_anchors: bool | None = _opt(
         None, "block modes: encode each chunk of a long document after its document's first chunk (Star "
               "Attention's anchor; default: ldqa.attention.block_attention.DEFAULT_ANCHORS)", bool)
+    anchor_passages: int | None = _opt(
+        None, "block modes: encode every passage block after this many generic passages (ldqa's own filler "
+              "text, not part of the prompt), so no block is stored as the list's first document (default: "
+              "ldqa.attention.block_attention.DEFAULT_ANCHOR_PASSAGES)", int, low=0, high=len(ANCHOR_PASSAGES))
     # --- retrieval attention (attention="retrieval"): `RetrievalConfig`'s fields, None = its default
     top_k_keys: int | str | None = _opt(
         None, "retrieval: keys retrieved per KV head per decode step (default 200; all: every key, exact)", int,
@@ -257,7 +262,7 @@ class AnswerOptions:
         return AttentionConfig.from_kwargs(self.attention, self.recompute_ratio, self.block_headers, self.debias,
                                            self.debias_orders, self.debias_calibration, self.debias_strength,
                                            recompute_select=self.recompute_select, block_anchors=self.block_anchors,
-                                           **self.retrieval_settings())
+                                           anchor_passages=self.anchor_passages, **self.retrieval_settings())
 
 
 NAMES = tuple(f.name for f in fields(AnswerOptions))

@@ -42,6 +42,38 @@ FRAMED_INSTRUCTION = (
 STOP_STRINGS = ("\n\n", "\nQuestion:", "\nAnswer:", "\nPassage [")
 
 
+# Generic passages that block modes can encode every stored passage block after (`anchor_ids`; the
+# `anchor_passages` option): ldqa's own filler text on unrelated subjects, never part of a prompt. Encoded
+# right after the shared prefix, a passage block looks to the question like the first document of the
+# list; after these it looks like one passage among several, as it does in the full prompt. (Star
+# Attention's anchor block, Acharya et al. 2024, sec. 2.1, and APE's shared prefix, Yang et al. 2025, sec.
+# 3, with generic passages in place of the document's start or the instruction alone.)
+ANCHOR_PASSAGES = (
+    ("Basalt", "Basalt is a fine-grained volcanic rock formed from the rapid cooling of lava rich in iron and "
+               "magnesium. It makes up most of the ocean floor and large plateaus on several continents. Its dark "
+               "colour comes from minerals such as pyroxene and olivine, and columns of basalt form where thick "
+               "lava flows cool and crack slowly."),
+    ("Common chaffinch", "The common chaffinch is a small passerine bird of the finch family found across Europe, "
+                         "western Asia and North Africa. The male has a blue-grey cap and rust-red underparts; the "
+                         "female is duller. It feeds on seeds in winter and on insects while raising its young, and "
+                         "builds a cup-shaped nest in the fork of a tree."),
+    ("Tower mill", "A tower mill is a windmill whose body is a fixed tower of brick or stone, with only the cap "
+                   "and sails turning to face the wind. Tower mills spread through Europe from the late Middle Ages "
+                   "and were used to grind grain and to drain low-lying land. Many were later converted to engine "
+                   "power or preserved as landmarks."),
+    ("Cello", "The cello is a bowed string instrument of the violin family, tuned an octave below the viola. It is "
+              "played seated, held between the knees and supported by an endpin. The cello has a central place in "
+              "the orchestra and the string quartet, and a large solo repertoire of sonatas, suites and concertos."),
+    ("Tide pool", "A tide pool is a rocky pool on the seashore that is filled by seawater at high tide and left "
+                  "isolated when the tide goes out. The animals and algae that live in tide pools, such as "
+                  "anemones, barnacles, limpets and small crabs, must tolerate changes in temperature, salinity and "
+                  "oxygen through each day."),
+    ("Graphite pencil", "A graphite pencil writes with a core of graphite mixed with clay, held in a casing of "
+                        "wood. The ratio of clay to graphite sets the hardness of the lead, graded on scales from "
+                        "soft to hard. Mass production of pencils began in Europe in the early nineteenth century."),
+)
+
+
 def header_text(n: int, blank_first: bool = False) -> str:
     """The rank-dependent header of passage n (1-based); with `blank_first` the blank line between passages
     starts the next header ('\n\nPassage [2]') instead of ending the body (`ChatFormat.blank_first`)."""
@@ -181,3 +213,23 @@ def truncate_middle(ids: list[int], max_tokens: int) -> list[int]:
         return list(ids)
     half = max_tokens // 2
     return list(ids[:half]) + list(ids[len(ids) - half:])
+
+
+def anchor_ids(tokenizer, n: int, instruction: str | None = None, chat=None) -> list[int]:
+    """The token ids block modes encode a passage block after, beside the shared prefix, with `n` anchor
+    passages: the first `n` of `ANCHOR_PASSAGES` laid out as `build_prompt` lays out passages 1..n (headers
+    and bodies, the chat template's lead included), then the header of passage n+1, so the block follows
+    them as the (n+1)-th passage would. [] for n = 0. The ids are cut from a prompt `build_prompt` builds,
+    so they are the exact layout of `instruction` and `chat`. Raises ValueError for n outside
+    0..len(ANCHOR_PASSAGES)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(ANCHOR_PASSAGES):
+        raise ValueError(f"anchor_passages={n!r}: use a whole number from 0 to {len(ANCHOR_PASSAGES)}")
+    if n == 0:
+        return []
+    from types import SimpleNamespace
+
+    ps = [SimpleNamespace(title=t, text=x, page=None) for t, x in ANCHOR_PASSAGES[:n]] + [
+        SimpleNamespace(title="", text="", page=None)]
+    seg = build_prompt(tokenizer, ps, "?", instruction, "", chat)
+    return [t for h, b in zip(seg.headers[:n], seg.passages[:n]) for t in h + b] + list(seg.headers[n])
+

@@ -51,11 +51,14 @@ class Calibration:
     when a curve is estimated; each tokenized on its own, then concatenated), and `build_prompt(passages,
     question)` -> the PromptSegments of a prompt over `passages` (objects with title, text, page, header)
     in the product's wording. `layout`: "" for the base-model prompt, else a name of the prompt's layout
-    (e.g. "chat": the model's chat template) that keys the curves apart (`curve_key`)."""
+    (e.g. "chat": the model's chat template) that keys the curves apart (`curve_key`). `anchor(n)` -> the
+    ids of n generic anchor passages in that layout (`PromptSegments.with_anchor`), for block modes'
+    curves with anchor passages; None: no anchors."""
 
     texts: Callable[[], list[str]]
     build_prompt: Callable[[list, str], object]
     layout: str = ""
+    anchor: Callable[[int], list[int]] | None = None
 
 
 @dataclass
@@ -137,14 +140,17 @@ def load_or_estimate_bias(path: Path, estimate, bundled: Path | None = BUNDLED) 
     return bias
 
 
-def curve_key(attention: str, block_headers: str, theta_scale: float = 1.0, layout: str = "") -> str:
+def curve_key(attention: str, block_headers: str, theta_scale: float = 1.0, layout: str = "",
+              anchor_passages: int = 0) -> str:
     """The attention-mode part of a curve's cache name: e.g. "full", "block-cached-headers",
     "full-rope0.5", "full-chat" (`layout`: the prompt layout, "" for the base-model prompt);
     block+recompute's names carry the recipe it is measured with (the default token selection and
-    ratio, e.g. "block+recompute-question0.2-cached-headers"), so a changed default measures anew."""
+    ratio, e.g. "block+recompute-question0.2-cached-headers"), so a changed default measures anew; block
+    modes with `anchor_passages` end in "-anchorN"."""
     if attention == "block+recompute":
         from ldqa.attention.block_attention import DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECT
 
         attention += f"-{DEFAULT_SELECT}{DEFAULT_RECOMPUTE_RATIO:g}"
     key = attention + (f"-{block_headers}-headers" if attention.startswith("block") else "")
-    return key + (f"-rope{theta_scale:g}" if theta_scale != 1.0 else "") + (f"-{layout}" if layout else "")
+    key += (f"-rope{theta_scale:g}" if theta_scale != 1.0 else "") + (f"-{layout}" if layout else "")
+    return key + (f"-anchor{anchor_passages}" if anchor_passages and attention.startswith("block") else "")

@@ -81,6 +81,11 @@ TAPER = None
 # Whether block modes encode a chunk of a long document after its document's anchor (its first chunk;
 # `PromptSegments.anchors`, Star Attention) by default
 DEFAULT_ANCHORS = False
+# How many generic passages (the app's `prompt.ANCHOR_PASSAGES`) block modes encode every passage block after,
+# beside the shared prefix, so that no block is stored as if it were the first document of the list
+# (`PromptSegments.anchors`; a later chunk's document anchor takes its place where on). 0: after the
+# prefix only
+DEFAULT_ANCHOR_PASSAGES = 0
 ANCHOR_CACHE = 8  # anchors' KV kept in memory (LRU): the documents of the last few questions
 
 
@@ -91,13 +96,15 @@ class BlockConfig:
     block) or "fresh" (computed with the question); select: how block+recompute chooses its tokens
     (`SELECT_METHODS` or a tuple of passage ranks); anchors: encode each chunk of a long document after
     its document's first chunk (`PromptSegments.anchors`). None = the default (`DEFAULT_RECOMPUTE_RATIO`,
-    `DEFAULT_HEADERS`, `DEFAULT_SELECT`, `DEFAULT_ANCHORS`), filled by `resolved`. Raises ValueError for
-    a ratio outside [0, 1], an unknown header mode or selection."""
+    `DEFAULT_HEADERS`, `DEFAULT_SELECT`, `DEFAULT_ANCHORS`), filled by `resolved`. anchor_passages: the
+    generic passages every block is encoded after (`DEFAULT_ANCHOR_PASSAGES`). Raises ValueError for
+    a ratio outside [0, 1], an unknown header mode or selection, a negative anchor_passages."""
 
     recompute_ratio: float | None = None
     headers: str | None = None
     select: str | tuple[int, ...] | None = None
     anchors: bool | None = None
+    anchor_passages: int | None = None
 
     def __post_init__(self):
         if self.recompute_ratio is not None and not 0.0 <= self.recompute_ratio <= 1.0:
@@ -105,17 +112,22 @@ class BlockConfig:
         if self.headers is not None and self.headers not in HEADER_MODES:
             raise ValueError(f"block_headers={self.headers!r}: choose one of {', '.join(HEADER_MODES)}")
         check_select(self.select)
+        n = self.anchor_passages
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"anchor_passages must be a whole number >= 0, got {n!r}")
 
     def resolved(self, mode: str) -> "BlockConfig":
         """The settings attention `mode` runs with: block modes get the default header mode,
-        "block+recompute" the default ratio and selection; other modes use none of them (all None)."""
+        "block+recompute" the default ratio and selection, both the default anchors; other modes use none of
+        them (all None)."""
         if not mode.startswith("block"):
             return BlockConfig()
         anchors = DEFAULT_ANCHORS if self.anchors is None else bool(self.anchors)
+        n = DEFAULT_ANCHOR_PASSAGES if self.anchor_passages is None else self.anchor_passages
         if mode != "block+recompute":
-            return BlockConfig(None, self.headers or DEFAULT_HEADERS, None, anchors)
+            return BlockConfig(None, self.headers or DEFAULT_HEADERS, None, anchors, n)
         ratio = DEFAULT_RECOMPUTE_RATIO if self.recompute_ratio is None else self.recompute_ratio
-        return BlockConfig(ratio, self.headers or DEFAULT_HEADERS, self.select or DEFAULT_SELECT, anchors)
+        return BlockConfig(ratio, self.headers or DEFAULT_HEADERS, self.select or DEFAULT_SELECT, anchors, n)
 
 
 def check_select(select) -> None:

@@ -65,7 +65,7 @@ class AttentionConfig:
                     block_headers: str | None = None, debias: str | None = "none", debias_orders: int | None = None,
                     debias_calibration: str | None = None, debias_strength: float | None = None,
                     recompute_select: str | tuple[int, ...] | None = None, block_anchors: bool | None = None,
-                    **retrieval) -> "AttentionConfig":
+                    anchor_passages: int | None = None, **retrieval) -> "AttentionConfig":
         """The configuration from the API's flat keywords (`AnswerOptions.attention_config`'s): debias
         None is the mode's default (filled by `resolved`); `retrieval` holds `RetrievalConfig` fields
         (None values = not given; top_k_keys="all" = every key). Raises
@@ -75,7 +75,7 @@ class AttentionConfig:
             raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_MODES)}")
         if block_anchors is not None and not isinstance(block_anchors, bool):
             raise ValueError(f"block_anchors must be True, False or None, got {block_anchors!r}")
-        block = BlockConfig(recompute_ratio, block_headers, recompute_select, block_anchors)
+        block = BlockConfig(recompute_ratio, block_headers, recompute_select, block_anchors, anchor_passages)
         given = {k: v for k, v in retrieval.items() if v is not None}  # None = not given: the default
         rcfg = None
         if attention != "retrieval":
@@ -114,7 +114,8 @@ class AttentionConfig:
         """The public settings keys of a resolved configuration, as `Answer.settings` shows them:
         "debias", with the calibrate methods "debias_orders", "debias_calibration", "debias_strength",
         in block modes "block_headers", with "retrieval" its `RetrievalConfig` as a dict, in
-        "block+recompute" "recompute_ratio" and "recompute_select", in block modes "block_anchors"."""
+        "block+recompute" "recompute_ratio" and "recompute_select", in block modes "block_anchors" and, when
+        any, "anchor_passages"."""
         d = self.debias
         out = {"debias": d.method}
         if d.calibrates:
@@ -123,6 +124,8 @@ class AttentionConfig:
             out["block_headers"] = self.block.headers
         if self.block.anchors is not None:
             out["block_anchors"] = self.block.anchors
+        if self.block.anchor_passages:
+            out["anchor_passages"] = self.block.anchor_passages
         if self.retrieval is not None:
             out["retrieval"] = asdict(self.retrieval)
         if self.block.recompute_ratio is not None:
@@ -231,7 +234,8 @@ class Engine:
                 model, passages, debias, max_new, measure=measure,
                 build=lambda ps, policy=None, scores=None: self.build_context(ps, build, mode, cfg.block, max_new,
                                                                              policy, scores=scores),
-                bias_curve=lambda k: self.bias_curve(k, measured, block_headers=cfg.block.headers), rebuild=cheap,
+                bias_curve=lambda k: self.bias_curve(k, measured, block_headers=cfg.block.headers,
+                                                     anchor_passages=cfg.block.anchor_passages or 0), rebuild=cheap,
                 prompt=build if mode.startswith("block") else None)
         return out
 
@@ -280,17 +284,19 @@ class Engine:
         return ctx, mass
 
     def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
-                   block_headers: str | None = None, theta_scale: float = 1.0) -> torch.Tensor:
+                   block_headers: str | None = None, theta_scale: float = 1.0, anchor_passages: int = 0
+                   ) -> torch.Tensor:
         """The model's position-only attention bias for k passages (k,), in `attention` mode ("full" or a
         block mode, with `block_headers`): found-in-the-middle calibration on irrelevant passages
         (`bias_curve`), computed once and cached on disk (per model fingerprint, k, mode, n_examples,
         seed). `theta_scale` (full attention only) multiplies the global layers' RoPE base, as an
-        Attention Buckets branch does: where its troughs fall. Raises ValueError for a theta_scale other
+        Attention Buckets branch does: where its troughs fall. `anchor_passages` (block modes): the
+        blocks encoded after that many anchor passages (`Calibration.anchor`), a curve of its own. Raises ValueError for a theta_scale other
         than 1 in a block mode (stored blocks carry the model's base), RuntimeError without calibration
         text."""
         from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO
 
-        path = self.bias_curve_path(k, attention, n_examples, seed, block_headers, theta_scale)
+        path = self.bias_curve_path(k, attention, n_examples, seed, block_headers, theta_scale, anchor_passages)
         # every block+recompute curve is measured at the default ratio (one curve per mode, not per ratio)
         block = BlockConfig(DEFAULT_RECOMPUTE_RATIO, block_headers or DEFAULT_HEADERS)
         cal = self.calibration
@@ -300,15 +306,24 @@ class Engine:
                 raise RuntimeError("no calibration text: give the Engine a Calibration to estimate bias curves")
             texts = cal.texts()
 
+            anchor = []
+            if anchor_passages and attention.startswith("block"):
+                if cal.anchor is None:
+                    raise RuntimeError(f"a bias curve with anchor_passages={anchor_passages} needs a Calibration "
+                                       "with anchor ids (Calibration.anchor)")
+                anchor = cal.anchor(anchor_passages)
+
             def measure(ps, q):
-                return self.measure(ps, lambda xs: cal.build_prompt(xs, q), attention, block, 1, float(theta_scale))[1]
+                return self.measure(ps, lambda xs: cal.build_prompt(xs, q).with_anchor(anchor), attention, block, 1,
+                                    float(theta_scale))[1]
 
             return estimate_bias(measure, self.llm.tokenizer, k, texts, n_examples, seed)
 
         return load_or_estimate_bias(path, estimate)
 
     def bias_curve_path(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
-                        block_headers: str | None = None, theta_scale: float = 1.0) -> Path:
+                        block_headers: str | None = None, theta_scale: float = 1.0, anchor_passages: int = 0
+                        ) -> Path:
         """Where `bias_curve` caches the curve of these arguments (`bias_cache_path` under the cache root;
         its file stem is the curve's name among the bundled ones). Raises ValueError for a theta_scale
         other than 1 in a block mode."""
@@ -319,7 +334,8 @@ class Engine:
             raise ValueError(f"theta_scale={theta_scale} needs attention='full', not {attention!r}")
         return bias_cache_path(cache_root(), self.llm.fingerprint, k,
                                curve_key(attention, block_headers or DEFAULT_HEADERS, theta_scale,
-                                         self.calibration.layout if self.calibration is not None else ""),
+                                         self.calibration.layout if self.calibration is not None else "",
+                                         anchor_passages),
                                n_examples, seed)
 
     def clear_memo(self) -> None:

@@ -43,6 +43,16 @@ class PromptSegments:
     def __len__(self) -> int:
         return len(self.ids())
 
+    def with_anchor(self, ids: list[int]) -> "PromptSegments":
+        """These segments with `ids` as the anchor of every passage that has none of its own (a later
+        chunk's document anchor is kept): generic anchor passages (the app's `prompt.anchor_ids`) that
+        every block is encoded after, so none is stored as the list's first document. Changes and
+        returns self; unchanged for ids = []."""
+        if ids:
+            own = self.anchors or [[] for _ in self.passages]
+            self.anchors = [list(a) if a else list(ids) for a in own]
+        return self
+
 
 def passage_spans(segments: PromptSegments) -> list[tuple[int, int]]:
     """Cache slot ranges [start, end) of each passage (header + body) in a prompt built as `segments`:

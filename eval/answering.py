@@ -144,12 +144,14 @@ class HFReference:
 
 
 def _recompute_kw(cfg: EvalConfig, mode: Mode, ex: dict) -> dict:
-    """Block modes' keywords for `LongDocQA.answer`/`ask`: --block-anchors, and in block+recompute
+    """Block modes' keywords for `LongDocQA.answer`/`ask`: --block-anchors, --anchor-passages, and in block+recompute
     --recompute-ratio, --recompute-select ("oracle": the example's gold passage recomputed whole,
     nq-multidoc only); {} for other modes."""
     if not mode.attention.startswith("block"):
         return {}
     kw = {"block_anchors": True} if cfg.block_anchors else {}
+    if cfg.anchor_passages is not None:
+        kw["anchor_passages"] = cfg.anchor_passages
     if mode.attention != "block+recompute":
         return kw
     kw["recompute_ratio"] = cfg.recompute_ratio

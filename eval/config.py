@@ -68,6 +68,8 @@ class EvalConfig:
         None = the defaults.
     block_anchors : block modes encode a chunk of a long document after its document's first chunk
         (jsonl with a retriever: the chunks of a record's collection).
+    anchor_passages : block modes encode every passage block after this many generic anchor passages
+        (None: the default, `block_attention.DEFAULT_ANCHOR_PASSAGES`).
     device, kv_dtype : where the LLM runs and its KV cache's dtype (`LongDocQA`'s; None: the device's
         default); unless cpu and fp32, both are part of `settings_hash`.
     """
@@ -94,6 +96,7 @@ class EvalConfig:
     recompute_ratio: float | None = None
     recompute_select: str | None = None
     block_anchors: bool = False
+    anchor_passages: int | None = None
     progress: bool = True
     max_length: int | None = None
     ray: str | None = None

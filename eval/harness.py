@@ -227,6 +227,8 @@ def add_arguments(p) -> None:
     p.add_argument("--block-anchors", action="store_true",
                    help=options.knob("block_anchors").help + " (jsonl with --retriever: the chunks of each record's "
                         "collection)")
+    p.add_argument("--anchor-passages", type=int, default=None, choices=range(0, options.knob("anchor_passages").high + 1),
+                   metavar="N", help=options.knob("anchor_passages").help)
     p.add_argument("--max-length", type=int, default=None,
                    help="jsonl: cut each context's middle (LongBench) so prompt + answer budget fit this many tokens")
     p.add_argument("--chunk-tokens", type=int, default=None,

@@ -311,3 +311,37 @@ def test_block_anchors_encode_a_long_document_s_later_chunks_after_its_first(tin
     assert "block_anchors" not in tiny_qa.ask(q, top_k=4, debias="none").settings  # full attention
     with pytest.raises(ValueError, match="block_anchors"):
         tiny_qa.ask(q, attention="block", block_anchors="yes")
+
+
+def test_anchor_passages_encode_every_block_after_them_under_keys_of_their_own(tiny_qa, tmp_path):
+    import torch
+
+    from ldqa.app.prompt import anchor_ids, build_prompt
+    from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES
+
+    tiny_qa.ingest([_copy_sample(tmp_path / "docs")])
+    q = "What torque for the fan hub bolts?"
+    off = tiny_qa.ask(q, top_k=3, attention="block", debias="none", anchor_passages=0)
+    on = tiny_qa.ask(q, top_k=3, attention="block", debias="none", anchor_passages=2)
+    assert "anchor_passages" not in off.settings and on.settings["anchor_passages"] == 2
+    assert on.timings["kv_misses"] == 3  # the same passages' blocks under other keys
+    again = tiny_qa.ask(q, top_k=3, attention="block", debias="none", anchor_passages=2)
+    assert again.timings["kv_hits"] == 3 and again.text == on.text
+    # the block read is the body encoded after prefix + anchor ids, moved to its slot (the runtime's own test)
+    rt, chat = tiny_qa.block_runtime, tiny_qa.chat_format()
+    seg = build_prompt(tiny_qa.llm.tokenizer, on.passages[:1], q, chat=chat)
+    ids = anchor_ids(tiny_qa.llm.tokenizer, 2, None, chat)
+    k, _ = rt.encode_block(seg.prefix, seg.passages[0], ids)
+    k0, _ = rt.encode_block(seg.prefix, seg.passages[0])
+    assert not torch.allclose(k, k0)  # the anchor changes what the block saw
+    assert "anchor_passages" not in tiny_qa.ask(q, top_k=3, debias="none").settings  # full attention
+    assert tiny_qa.ask(q, top_k=3, attention="block", debias="none").settings.get("anchor_passages", 0) == \
+        DEFAULT_ANCHOR_PASSAGES
+    # debiasing in block modes measures with the anchors: a bias curve of its own
+    e = tiny_qa.engine
+    assert e.bias_curve_path(3, "block", anchor_passages=2) != e.bias_curve_path(3, "block")
+    cr = tiny_qa.ask(q, top_k=3, attention="block", debias="calibrate+reorder", anchor_passages=2)
+    assert cr.settings["anchor_passages"] == 2 and e.bias_curve_path(3, "block", anchor_passages=2).exists()
+    for bad in (-1, 7, "2"):
+        with pytest.raises(ValueError, match="anchor_passages"):
+            tiny_qa.ask(q, attention="block", anchor_passages=bad)

@@ -139,3 +139,14 @@ def test_bench_recompute_kl_part_is_zero_when_every_token_is_recomputed(tmp_path
     assert res["block"]["kl"] > res["question@1.0"]["kl"] and res["block"]["mean_tokens_recomputed"] == 0
     assert 0 < res["question@0.3/layers=1"]["mean_tokens_recomputed"] < res["question@1.0"]["mean_tokens_recomputed"]
     assert "| question@1.0 |" in capsys.readouterr().out
+
+
+def test_bench_recompute_variants_take_anchor_passages():
+    from ldqa.eval.bench.bench_recompute import parse_variant, split_variants
+
+    specs = split_variants("full,block,block/anchor=3,question@0.3/measured=1,anchor=2,question@0.3")
+    assert specs == ["full", "block", "block/anchor=3", "question@0.3/measured=1,anchor=2", "question@0.3"]
+    assert parse_variant("block/anchor=3") == {"attention": "block", "anchor_passages": 3}
+    assert parse_variant("question@0.3/measured=1,anchor=2")["anchor_passages"] == 2
+    with pytest.raises(ValueError, match="anchor=N"):
+        parse_variant("block/anchor=x")

@@ -65,3 +65,17 @@ def test_block_anchors_change_the_block_modes_keys_only():
     cfg = EvalConfig(benchmark="jsonl", data="x", block_anchors=True)
     assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == "block/none@hybrid+anchors"
     assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
+
+
+def test_anchor_passages_change_the_block_modes_keys_only():
+    from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES
+    from ldqa.eval.harness import EvalConfig
+
+    cfg = EvalConfig(benchmark="nq-multidoc", data="x", anchor_passages=3)
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == KEYS[("block", "none", "hybrid")] + "+anchor3"
+    assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
+    zero = EvalConfig(benchmark="nq-multidoc", data="x", anchor_passages=0)
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=zero) == KEYS[("block", "none", "hybrid")]
+    default = mode_cache_key(Mode("block", "none", "hybrid"), cfg=EvalConfig(benchmark="nq-multidoc", data="x"))
+    assert default == KEYS[("block", "none", "hybrid")] + (f"+anchor{DEFAULT_ANCHOR_PASSAGES}" if DEFAULT_ANCHOR_PASSAGES
+                                                      else "")

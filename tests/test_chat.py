@@ -291,3 +291,29 @@ def test_packaged_instruct_models_answer_through_their_template(model, tmp_path)
     assert any(c.path.endswith("service_bulletin.pdf") and c.page == 2 for c in ans.citations)
     block = qa.ask(q, attention="block", debias="none")
     assert block.timings["kv_misses"] == 5 and "18 Nm" in block.text, block.text
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("chat_on", [True, False])
+def test_anchor_passages_are_laid_out_as_the_prompt_lists_passages_then_the_next_header(family_tokenizer, family,
+                                                                                      chat_on):
+    from ldqa.app.prompt import ANCHOR_PASSAGES, anchor_ids
+
+    tok, _ = family_tokenizer(family)
+    chat = chat_format(tok, CHAT_INSTRUCTION, family) if chat_on else None
+    listed = [SimpleNamespace(title=t, text=x, page=None) for t, x in ANCHOR_PASSAGES[:2]] + PASSAGES[:1]
+    seg = build_prompt(tok, listed, "q?", chat=chat)
+    ids = anchor_ids(tok, 2, None, chat)
+    # the prompt over the two anchor passages and one more, up to that passage's body: a block encoded after
+    # prefix + anchor sees what the third passage of a full prompt sees
+    assert seg.prefix + ids + seg.passages[2] == seg.ids()[:len(seg.ids()) - len(seg.question)]
+    assert "Passage [3]" in tok.hf.decode(ids[-6:]) and "(Title: Basalt)" in tok.hf.decode(ids)
+    assert anchor_ids(tok, 0, None, chat) == []
+    for bad in (-1, len(ANCHOR_PASSAGES) + 1, 1.5, True):
+        with pytest.raises(ValueError, match="anchor_passages"):
+            anchor_ids(tok, bad, None, chat)
+    # every passage without a document anchor of its own gets the ids; a document anchor stays
+    two = build_prompt(tok, PASSAGES[:2], "q?", chat=chat)
+    two.anchors = [[], [7, 8]]
+    assert two.with_anchor(ids).anchors == [ids, [7, 8]]
+    assert build_prompt(tok, PASSAGES[:2], "q?", chat=chat).with_anchor([]).anchors is None

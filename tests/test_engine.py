@@ -8,7 +8,8 @@ import torch
 
 from ldqa.app.prompt import build_prompt
 from ldqa.attention import debias as D
-from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECT, BlockConfig
+from ldqa.attention.block_attention import (DEFAULT_ANCHOR_PASSAGES, DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO,
+                                            DEFAULT_SELECT, BlockConfig)
 from ldqa.attention.debias import DebiasConfig
 from ldqa.attention.engine import AttentionConfig, Engine
 from ldqa.attention.loader import load_model
@@ -26,7 +27,8 @@ class _P:
 
 def test_resolved_fills_each_modes_defaults():
     cfg = AttentionConfig.from_kwargs("block+recompute", debias="calibrate").resolved()
-    assert cfg.block == BlockConfig(DEFAULT_RECOMPUTE_RATIO, DEFAULT_HEADERS, DEFAULT_SELECT, False)
+    assert cfg.block == BlockConfig(DEFAULT_RECOMPUTE_RATIO, DEFAULT_HEADERS, DEFAULT_SELECT, False,
+                                     DEFAULT_ANCHOR_PASSAGES)
     assert cfg.settings()["recompute_select"] == DEFAULT_SELECT
     assert (cfg.debias.orders, cfg.debias.calibration) == (D.MEASURE_ORDERS["block+recompute"],
                                                           D.CALIBRATION["block+recompute"])

@@ -19,7 +19,9 @@ Variants (--variants, comma-separated):
                             `BlockRuntime.taper`); causal_group=G: the recompute pass's global
                             attention in groups of G queries (`model.CAUSAL_GROUP`; 100000: one group);
                             gemm=int8 multiplies the recomputed tokens and the ranking passes with the
-                            int8 prefill GEMM, the question's rows in bf16 (`BlockRuntime.recompute_gemm`)
+                            int8 prefill GEMM, the question's rows in bf16 (`BlockRuntime.recompute_gemm`);
+                            anchor=N encodes every passage block after N anchor passages
+                            (`prompt.anchor_ids`; also `block/anchor=N`)
   oracle                    block+recompute of the gold passage whole (the answer's passage), nothing else
 Recomputing every token (e.g. question@1.0) must give full attention's answers: `same_as_full` says how
 many do. The passages' blocks are stored before a question's variants run, so every TTFT is warm. Per variant: EM by gold position, the paired difference from full (points, SE), answers that
@@ -55,6 +57,10 @@ def parse_variant(spec: str) -> dict:
 
     if spec in ("full", "block"):
         return {"attention": spec}
+    if spec.startswith("block/anchor="):
+        n = spec.partition("=")[2]
+        if n.isdigit():
+            return {"attention": "block", "anchor_passages": int(n)}
     if spec == "oracle":
         return {"attention": "block+recompute", "recompute_select": "oracle"}
     from ldqa.attention.block_attention import SELECT_SCORES
@@ -78,6 +84,8 @@ def parse_variant(spec: str) -> dict:
                 settings["causal_group"] = int(v)
             elif k == "gemm" and v in ("bf16", "int8"):
                 settings["recompute_gemm"] = v
+            elif k == "anchor" and v.isdigit():
+                settings["anchor_passages"] = int(v)
             elif k == "taper":
                 j, _, t = v.partition(":")
                 if int(j) < 1 or not 0 <= float(t) <= 1:
@@ -91,7 +99,8 @@ def parse_variant(spec: str) -> dict:
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
-                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,taper=J:T,causal_group=G,gemm=bf16|int8")
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,taper=J:T,causal_group=G,gemm=bf16|int8,"
+                     "anchor=N, or block/anchor=N")
 
 
 def split_variants(text: str) -> list[str]:
@@ -101,7 +110,7 @@ def split_variants(text: str) -> list[str]:
     from ldqa.attention.block_attention import SELECT_METHODS
 
     methods = "|".join(SELECT_METHODS)
-    return re.split(rf",(?=(?:full|block|oracle)(?:,|$)|(?:{methods})@)", text)
+    return re.split(rf",(?=(?:full|block|oracle)(?:,|$|/)|(?:{methods})@)", text)
 
 
 SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "taper",
@@ -250,7 +259,7 @@ def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: i
             "full_over_variant": {v: med["full"] / m for v, m in med.items() if v != "full"}}
 
 
-def measured(qa, ps: list, question: str, chat, rng: random.Random) -> list:
+def measured(qa, ps: list, question: str, chat, rng: random.Random, anchor: list[int] = ()) -> list:
     """The selection scores block+recompute gets under calibrate+reorder (`debias.measured_scores`), for the
     passages `ps` in their order: the question's attention per slot over the plain block cache with the
     passages in a shuffled order and in its reverse, averaged per passage."""
@@ -268,7 +277,7 @@ def measured(qa, ps: list, question: str, chat, rng: random.Random) -> list:
     ctxs = []
     for o in (order, order[::-1]):
         seg = _build_prompt(qa.llm.tokenizer, [ps[i] for i in o], question,
-                            SimpleNamespace(instruction=None, answer_prefix=None), chat)
+                            SimpleNamespace(instruction=None, answer_prefix=None), chat).with_anchor(list(anchor))
         rec = DebiasKV(n_record=len(seg.question), scale=model.cfg.attn_scale)
         c, _, _ = rt.prefill(seg, [None] * len(ps), mode="block", policy=rec, headers=DEFAULT_HEADERS)
         L = c.length
@@ -291,6 +300,7 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
     from tqdm import tqdm
 
     from ldqa.app.api import Passage, _build_prompt
+    from ldqa.app.prompt import anchor_ids
     from ldqa.attention.block_attention import DEFAULT_HEADERS
     from ldqa.eval.bench.bench_block_scaling import kl_agreement
 
@@ -317,11 +327,14 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
                 kw = parse_variant(spec)
                 mode = kw["attention"]
                 select = (pos,) if kw.get("recompute_select") == "oracle" else kw.get("recompute_select", "question")
+                anchor = anchor_ids(tok, kw.pop("anchor_passages", 0), None, chat)
                 with selection(qa, {k: kw[k] for k in ("recompute_gemm",) if k in kw}), rt.ranking_only():
-                    scores = measured(qa, ps, ex["question"], chat, random.Random(f"{seed}-{i}")) if kw.pop(
+                    scores = measured(qa, ps, ex["question"], chat, random.Random(f"{seed}-{i}"), anchor) if kw.pop(
                         "measured", False) else None  # (as the engine measures)
+                sg = _build_prompt(tok, ps, ex["question"], SimpleNamespace(instruction=None, answer_prefix=None),
+                                   chat).with_anchor(anchor)
                 with selection(qa, kw):
-                    c, last, stats = rt.prefill(seg, [None] * len(ps), mode=mode,
+                    c, last, stats = rt.prefill(sg, [None] * len(ps), mode=mode,
                                                 recompute_ratio=kw.get("recompute_ratio", 0.0),
                                                 extra_capacity=m + 8, headers=DEFAULT_HEADERS, select=select,
                                                 scores=scores)
