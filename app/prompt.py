@@ -232,4 +232,3 @@ def anchor_ids(tokenizer, n: int, instruction: str | None = None, chat=None) -> 
         SimpleNamespace(title="", text="", page=None)]
     seg = build_prompt(tokenizer, ps, "?", instruction, "", chat)
     return [t for h, b in zip(seg.headers[:n], seg.passages[:n]) for t in h + b] + list(seg.headers[n])
-
