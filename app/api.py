@@ -582,7 +582,10 @@ class LongDocQA:
             t_start = time.perf_counter()
             threads = decode_threads()
             with prefill_on(threads, llm.model):
-                built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings, chat),
+                # block modes' anchor passages, tokenized once for every build of this answer
+                anchor = anchor_ids(llm.tokenizer, settings.anchor_passages or 0, settings.instruction, chat)
+                built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings,
+                                                                               chat).with_anchor(anchor),
                                             att_cfg, max_new)
             if debias == "buckets":
                 settings.bucket_scales = list(att_cfg.debias.bucket_scales)
@@ -648,9 +651,7 @@ def _sample_texts() -> list[str]:
 
 
 def _build_prompt(tokenizer, passages, question, settings: Settings, chat=None):
-    seg = build_prompt(tokenizer, passages, question, settings.instruction, settings.answer_prefix or "", chat)
-    n = getattr(settings, "anchor_passages", None) or 0  # (benchmarks pass a namespace of the prompt options)
-    return seg.with_anchor(anchor_ids(tokenizer, n, settings.instruction, chat))
+    return build_prompt(tokenizer, passages, question, settings.instruction, settings.answer_prefix or "", chat)
 
 
 def _check_question(question, top_k: int = 1, retriever: str = "hybrid") -> None:
