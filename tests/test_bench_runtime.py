@@ -81,6 +81,10 @@ def test_compare_weights_reports_f1_words_and_answers_at_the_cap(tmp_path):
     # a row without a TTFT (an abstained jsonl answer) is left out of the median, not an error
     (tmp_path / "c.csv").write_text(head + "full,q1,18 Nm,18 Nm,1,,,eos\nfull,q2,E-14 | E14,E-14,1,7,9,eos\n")
     assert compare(tmp_path / "a.csv", tmp_path / "c.csv")["ttft_ms"] == 7.0
+    # answers kept as a Python list's text would read as one answer: refused, naming the run and the row
+    (tmp_path / "d.csv").write_text(head + "full,q1,['18 Nm'],18 Nm,1,5,9,eos\nfull,q2,\"['E-14', 'E14']\",E-14,1,5,9,eos\n")
+    with pytest.raises(ValueError, match=r"d\.csv: row q1 lists its answers"):
+        compare(tmp_path / "a.csv", tmp_path / "d.csv")
 
 
 def test_kv_read_bytes_counts_a_sliding_layer_s_window_only():

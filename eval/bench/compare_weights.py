@@ -54,6 +54,11 @@ def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | 
         return statistics.median(vals) if vals else float("nan")
 
     has_answers = all("answers" in r[i] for r in (a, b) for i in ids)
+    for run, rows in ((ref_dir, a), (other_dir, b)):
+        listed = next((i for i in ids if has_answers and rows[i]["answers"].startswith("['")), None)
+        if listed is not None:
+            raise ValueError(f"{run}: row {listed} lists its answers as {rows[listed]['answers'][:40]!r}; token F1 "
+                             "needs them ' | '-joined, as `ldqa eval` writes results.csv")
     f1 = {n: [token_f1(r[i]["prediction"], r[i]["answers"].split(" | ")) if has_answers else 0.0 for i in ids]
           for n, r in (("a", a), ("b", b))}
     df = [y - x for x, y in zip(f1["a"], f1["b"])]
