@@ -503,12 +503,12 @@ class LongDocQA:
         return self.engine.block_runtime
 
     def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
-                   block_headers: str | None = None, theta_scale: float = 1.0):
+                   block_headers: str | None = None, theta_scale: float = 1.0, anchor_passages: int | None = None):
         """The model's position-only attention bias for k passages (k,), in `attention` mode ("full" or a
-        block mode, with `block_headers` as in `stream`), from the bundled sample: `Engine.bias_curve`
-        (cached on disk per model fingerprint, k, mode, n_examples, seed). Raises ValueError for a
-        theta_scale other than 1 in a block mode."""
-        return self.engine.bias_curve(k, attention, n_examples, seed, block_headers, theta_scale)
+        block mode, with `block_headers` and `anchor_passages` as in `stream`, None their defaults), from
+        the bundled sample: `Engine.bias_curve` (cached on disk per model fingerprint, k, mode, n_examples,
+        seed). Raises ValueError for a theta_scale other than 1 in a block mode."""
+        return self.engine.bias_curve(k, attention, n_examples, seed, block_headers, theta_scale, anchor_passages)
 
     def _answer_stream(self, question, passages, cfg, max_new, retrieval_ms, base, extra, t0):
         """The Answer's stream for a resolved AttentionConfig `cfg`; `base` (top_k, retriever) and `extra`

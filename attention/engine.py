@@ -38,6 +38,12 @@ from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.retrieval_attention import RetrievalConfig
 
 
+def _anchor_passages(attention: str, n: int | None) -> int:
+    """The anchor passages a bias curve of `attention` mode is measured with: `n`, None the mode's default
+    (`BlockConfig.resolved`); 0 outside block modes."""
+    return BlockConfig(anchor_passages=n).resolved(attention).anchor_passages or 0
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """How a question's context is built: the attention `mode` (one of `ATTENTION_MODES`), block
@@ -284,18 +290,20 @@ class Engine:
         return ctx, mass
 
     def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
-                   block_headers: str | None = None, theta_scale: float = 1.0, anchor_passages: int = 0
+                   block_headers: str | None = None, theta_scale: float = 1.0, anchor_passages: int | None = None
                    ) -> torch.Tensor:
         """The model's position-only attention bias for k passages (k,), in `attention` mode ("full" or a
         block mode, with `block_headers`): found-in-the-middle calibration on irrelevant passages
         (`bias_curve`), computed once and cached on disk (per model fingerprint, k, mode, n_examples,
         seed). `theta_scale` (full attention only) multiplies the global layers' RoPE base, as an
         Attention Buckets branch does: where its troughs fall. `anchor_passages` (block modes): the
-        blocks encoded after that many anchor passages (`Calibration.anchor`), a curve of its own. Raises ValueError for a theta_scale other
+        blocks encoded after that many anchor passages (`Calibration.anchor`), a curve of its own; None:
+        the block modes' default (`BlockConfig.resolved`). Raises ValueError for a theta_scale other
         than 1 in a block mode (stored blocks carry the model's base), RuntimeError without calibration
         text."""
         from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO
 
+        anchor_passages = _anchor_passages(attention, anchor_passages)
         path = self.bias_curve_path(k, attention, n_examples, seed, block_headers, theta_scale, anchor_passages)
         # every block+recompute curve is measured at the default ratio (one curve per mode, not per ratio)
         block = BlockConfig(DEFAULT_RECOMPUTE_RATIO, block_headers or DEFAULT_HEADERS)
@@ -322,11 +330,11 @@ class Engine:
         return load_or_estimate_bias(path, estimate)
 
     def bias_curve_path(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
-                        block_headers: str | None = None, theta_scale: float = 1.0, anchor_passages: int = 0
-                        ) -> Path:
+                        block_headers: str | None = None, theta_scale: float = 1.0,
+                        anchor_passages: int | None = None) -> Path:
         """Where `bias_curve` caches the curve of these arguments (`bias_cache_path` under the cache root;
-        its file stem is the curve's name among the bundled ones). Raises ValueError for a theta_scale
-        other than 1 in a block mode."""
+        its file stem is the curve's name among the bundled ones; anchor_passages None: the block modes'
+        default). Raises ValueError for a theta_scale other than 1 in a block mode."""
         from ldqa.attention.block_attention import DEFAULT_HEADERS
         from ldqa.attention.loader import cache_root
 
@@ -335,7 +343,7 @@ class Engine:
         return bias_cache_path(cache_root(), self.llm.fingerprint, k,
                                curve_key(attention, block_headers or DEFAULT_HEADERS, theta_scale,
                                          self.calibration.layout if self.calibration is not None else "",
-                                         anchor_passages),
+                                         _anchor_passages(attention, anchor_passages)),
                                n_examples, seed)
 
     def clear_memo(self) -> None:

@@ -1,7 +1,8 @@
 """Write the bias curves ldqa ships (`ldqa.attention.bias_curve.BUNDLED`), so a new user's first debiased
 question does not spend its estimate (10-60 s for Gemma 3 270M, 2.5-4 minutes for Qwen2.5 1.5B at k = 5 on
 this 2-core machine): the default model in its default weights at the default top_k, full attention and
-block attention (whose default debiasing, `calibrate+reorder`, reads one), and Gemma 3 270M at k = 1..10.
+block attention (whose default debiasing, `calibrate+reorder`, reads one; its blocks after the default
+anchor passages), and Gemma 3 270M at k = 1..10.
 
     python -m ldqa.eval.bench.bundle_bias_curves --modes block,full --k 5       # the default model
     python -m ldqa.eval.bench.bundle_bias_curves --model gemma3-270m --modes full,block --k 1-10
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 from ldqa.attention.bias_curve import BUNDLED
+from ldqa.attention.block_attention import BlockConfig
 
 ABOUT = ("position-only attention bias curves (found-in-the-middle calibration) of ldqa's packaged models, by cache "
          "file name: the default model at the default top_k, Gemma 3 270M at k = 1..10; written by python -m "
@@ -68,6 +70,9 @@ def main(argv=None) -> int:
                 curves[name] = qa.bias_curve(k, mode).tolist()
                 made[name] = {"model": qa.model_name, "weights": qa.weights, "attention": mode, "k": k,
                               "n_examples": 16, "seed": 0}
+                anchor = BlockConfig().resolved(mode).anchor_passages
+                if anchor:  # block modes' blocks encoded after their default anchor passages
+                    made[name]["anchor_passages"] = anchor
                 print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         qa.store.close()
         qa.kv_store.close()
