@@ -110,7 +110,7 @@ class Settings(_ReadByKey):
 
     top_k, retriever ("given" for `LongDocQA.answer`); the attention options (`AttentionConfig.settings`):
     debias, debias_orders / debias_calibration / debias_strength (the calibrate methods), block_headers
-    and block_anchors, anchor_passages (block modes; the latter when any), retrieval (attention="retrieval"'s `RetrievalConfig` as a dict),
+    and block_anchors, anchor_passages (block modes), retrieval (attention="retrieval"'s `RetrievalConfig` as a dict),
     recompute_ratio and recompute_select (block+recompute); the prompt options that differ from the
     default (instruction, answer_prefix); the abstention check (abstain_below, best_dense_score,
     abstained); attention, model, weights, kv_dtype, device ("cpu", "cuda", "cuda:N": where the LLM ran),

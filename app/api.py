@@ -160,41 +160,44 @@ class LongDocQA:
                                     prepare_groups=ray_workers.prepare_on_ray(r, self, workers, threads_per_worker))
 
     def precompute_kv(self, doc_ids: Iterable[int] | None = None, progress: bool = False, ray: str | None = None,
-                      workers: int | None = None, threads_per_worker: int = 1) -> dict:
+                      workers: int | None = None, threads_per_worker: int = 1, attention: str = "block") -> dict:
         """Encode and store the KV block of every chunk of `doc_ids` (default: all) for the current model,
-        so the first question over them already hits the store. Returns {"blocks", "computed", "ms"}.
+        as block mode `attention` reads them (after its default anchor passages, which differ by mode), so
+        the first question over them in that mode already hits the store. Returns {"blocks", "computed", "ms"}.
         ray, workers, threads_per_worker: as in `ingest`; the workers write the blocks to this store's
         ``kv/`` directory themselves, so it must be on a filesystem every worker reaches (RuntimeError
-        otherwise).
+        otherwise). Raises ValueError when `attention` is not a block mode.
         """
         from ldqa.app import ray_workers
 
         ray_workers.check_options(ray, workers, threads_per_worker)
+        _block_mode(attention)
         t0 = time.perf_counter()
         rows = self.store.get_chunks(self.store.chunk_ids(doc_ids))
         bar = progress_bar(rows, progress, "kv blocks")
         try:
             if ray is None:
-                computed = self.encode_rows(rows, on_block=bar.update if bar is not None else None).kv_misses
+                computed = self.encode_rows(rows, on_block=bar.update if bar is not None else None,
+                                            attention=attention).kv_misses
             else:
                 self.llm  # noqa: B018  (a converted weight cache is written once, here, before the workers read it)
                 with ray_workers.connected(ray) as r:
                     computed = ray_workers.precompute_on_ray(r, self, rows, workers, threads_per_worker,
-                                                             bar.update if bar is not None else None)
+                                                             bar.update if bar is not None else None, attention)
         finally:
             if bar is not None:
                 bar.close()
         return {"blocks": len(rows), "computed": computed, "ms": _ms(t0)}
 
-    def encode_rows(self, rows: list[dict], on_block=None):
+    def encode_rows(self, rows: list[dict], on_block=None, attention: str = "block"):
         """Make sure the KV block of each chunk row (`Store.get_chunks`: id, title, text, page, header) is
-        in the KV block store as the default block modes read it (after `DEFAULT_ANCHOR_PASSAGES` anchor
-        passages), encoding the missing ones; on_block(1) after each. Returns the
-        `PrefillStats` (kv_hits, kv_misses = blocks computed, encode_ms)."""
-        from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES
-
+        in the KV block store as block mode `attention` reads it with its defaults (after its
+        `DEFAULT_ANCHOR_PASSAGES` anchor passages), encoding the missing ones; on_block(1) after each.
+        Returns the `PrefillStats` (kv_hits, kv_misses = blocks computed, encode_ms). Raises ValueError
+        when `attention` is not a block mode."""
         rt, tok, chat = self.block_runtime, self.llm.tokenizer, self.chat_format()
-        anchor = anchor_ids(tok, DEFAULT_ANCHOR_PASSAGES, None, chat)  # as the default block modes encode them
+        n = _block_mode(attention).anchor_passages
+        anchor = anchor_ids(tok, n, None, chat)  # as the mode's default answers encode them
         segs = [build_prompt(tok, [Passage(r["title"], r["text"], r["page"], r["id"], header=r["header"])], "?",
                              chat=chat) for r in rows]
         with self._generate_lock:
@@ -660,6 +663,17 @@ def _check_question(question, top_k: int = 1, retriever: str = "hybrid") -> None
         raise ValueError("question is empty: ask something, e.g. ldqa ask \"What is ...?\"")
     check_option("top_k", top_k)
     check_option("retriever", retriever)
+
+
+def _block_mode(attention: str):
+    """`attention`'s resolved `BlockConfig` (its default anchor passages and the rest); ValueError naming
+    it unless it is a block mode."""
+    from ldqa.attention.block_attention import BlockConfig
+
+    if attention not in ATTENTION_MODES or not attention.startswith("block"):
+        raise ValueError(f"attention={attention!r}: KV blocks are precomputed for a block mode: "
+                         f"{', '.join(m for m in ATTENTION_MODES if m.startswith('block'))}")
+    return BlockConfig().resolved(attention)
 
 
 def _ms(t0: float) -> float:

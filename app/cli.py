@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                         + ("on, the default attention is a block mode; about 19 MB of disk per 1K tokens with "
                            "Gemma 3 270M" if precompute_kv_by_default() else "off, the default attention is full")
                         + ")")
+    block_default = options.default("attention") if precompute_kv_by_default() else "block"
+    p.add_argument("--precompute-attention", choices=("block", "block+recompute"), default=block_default,
+                   help=f"the block mode whose KV blocks --precompute-kv stores (default: {block_default}; the two "
+                        "modes encode their blocks after different anchor passages, see --anchor-passages)")
     from ldqa.app.ray_workers import add_arguments as add_ray_arguments
 
     add_ray_arguments(p)
@@ -135,7 +139,7 @@ def cmd_ingest(args) -> int:
         report = qa.ingest(args.paths, progress=not args.json, **on_ray)
         if args.precompute_kv:
             new_docs = [f.doc_id for f in report.files if f.status in ("added", "replaced")]
-            kv = qa.precompute_kv(new_docs, progress=not args.json, **on_ray)
+            kv = qa.precompute_kv(new_docs, progress=not args.json, attention=args.precompute_attention, **on_ray)
             if not args.json:
                 print(f"KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
     if args.json:
@@ -230,7 +234,7 @@ def cmd_demo(args) -> int:
     for f in report.files:
         print(f"  {f.status:9s} {Path(f.path).name}: {f.chunks} chunks {f.reason}")
     if opts.attention.startswith("block") and precompute_kv_by_default():  # as `ldqa ingest` does by default
-        kv = qa.precompute_kv()
+        kv = qa.precompute_kv(attention=opts.attention)
         print(f"  KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
     questions = [json.loads(line) for line in (SAMPLE_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
     debias = _debias_of(opts)

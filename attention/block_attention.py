@@ -81,11 +81,12 @@ TAPER = None
 # Whether block modes encode a chunk of a long document after its document's anchor (its first chunk;
 # `PromptSegments.anchors`, Star Attention) by default
 DEFAULT_ANCHORS = False
-# How many generic passages (the app's `prompt.ANCHOR_PASSAGES`) block modes encode every passage block after,
-# beside the shared prefix, so that no block is stored as if it were the first document of the list
+# How many generic passages (the app's `prompt.ANCHOR_PASSAGES`) each block mode encodes every passage block
+# after, beside the shared prefix, so that no block is stored as if it were the first document of the list
 # (`PromptSegments.anchors`; a later chunk's document anchor takes its place where on). 0: after the
-# prefix only
-DEFAULT_ANCHOR_PASSAGES = 0
+# prefix only. Measured per mode (docs/results.md, "Anchor passages"): they bring plain block attention
+# within noise of full attention on NQ-open, and cost block+recompute points
+DEFAULT_ANCHOR_PASSAGES = {"block": 3, "block+recompute": 0}
 ANCHOR_CACHE = 8  # anchors' KV kept in memory (LRU): the documents of the last few questions
 
 
@@ -97,7 +98,7 @@ class BlockConfig:
     (`SELECT_METHODS` or a tuple of passage ranks); anchors: encode each chunk of a long document after
     its document's first chunk (`PromptSegments.anchors`). None = the default (`DEFAULT_RECOMPUTE_RATIO`,
     `DEFAULT_HEADERS`, `DEFAULT_SELECT`, `DEFAULT_ANCHORS`), filled by `resolved`. anchor_passages: the
-    generic passages every block is encoded after (`DEFAULT_ANCHOR_PASSAGES`). Raises ValueError for
+    generic passages every block is encoded after (`DEFAULT_ANCHOR_PASSAGES`, per mode). Raises ValueError for
     a ratio outside [0, 1], an unknown header mode or selection, a negative anchor_passages."""
 
     recompute_ratio: float | None = None
@@ -117,13 +118,13 @@ class BlockConfig:
             raise ValueError(f"anchor_passages must be a whole number >= 0, got {n!r}")
 
     def resolved(self, mode: str) -> "BlockConfig":
-        """The settings attention `mode` runs with: block modes get the default header mode,
-        "block+recompute" the default ratio and selection, both the default anchors; other modes use none of
-        them (all None)."""
+        """The settings attention `mode` runs with: block modes get the default header mode and their
+        default anchors and anchor passages, "block+recompute" the default ratio and selection; other modes
+        use none of them (all None)."""
         if not mode.startswith("block"):
             return BlockConfig()
         anchors = DEFAULT_ANCHORS if self.anchors is None else bool(self.anchors)
-        n = DEFAULT_ANCHOR_PASSAGES if self.anchor_passages is None else self.anchor_passages
+        n = DEFAULT_ANCHOR_PASSAGES[mode] if self.anchor_passages is None else self.anchor_passages
         if mode != "block+recompute":
             return BlockConfig(None, self.headers or DEFAULT_HEADERS, None, anchors, n)
         ratio = DEFAULT_RECOMPUTE_RATIO if self.recompute_ratio is None else self.recompute_ratio

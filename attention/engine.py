@@ -120,8 +120,8 @@ class AttentionConfig:
         """The public settings keys of a resolved configuration, as `Answer.settings` shows them:
         "debias", with the calibrate methods "debias_orders", "debias_calibration", "debias_strength",
         in block modes "block_headers", with "retrieval" its `RetrievalConfig` as a dict, in
-        "block+recompute" "recompute_ratio" and "recompute_select", in block modes "block_anchors" and, when
-        any, "anchor_passages"."""
+        "block+recompute" "recompute_ratio" and "recompute_select", in block modes "block_anchors" and
+        "anchor_passages"."""
         d = self.debias
         out = {"debias": d.method}
         if d.calibrates:
@@ -130,7 +130,7 @@ class AttentionConfig:
             out["block_headers"] = self.block.headers
         if self.block.anchors is not None:
             out["block_anchors"] = self.block.anchors
-        if self.block.anchor_passages:
+        if self.block.anchor_passages is not None:
             out["anchor_passages"] = self.block.anchor_passages
         if self.retrieval is not None:
             out["retrieval"] = asdict(self.retrieval)

@@ -69,7 +69,7 @@ class EvalConfig:
     block_anchors : block modes encode a chunk of a long document after its document's first chunk
         (jsonl with a retriever: the chunks of a record's collection).
     anchor_passages : block modes encode every passage block after this many generic anchor passages
-        (None: the default, `block_attention.DEFAULT_ANCHOR_PASSAGES`).
+        (None: the mode's default, `block_attention.DEFAULT_ANCHOR_PASSAGES`).
     device, kv_dtype : where the LLM runs and its KV cache's dtype (`LongDocQA`'s; None: the device's
         default); unless cpu and fp32, both are part of `settings_hash`.
     """

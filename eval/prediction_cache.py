@@ -74,15 +74,16 @@ def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None
     collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings(cfg)`
     (chunking, embedder, abstention threshold): its retriever is already in `Mode.key`, --top-k in
     `settings_hash`. Block modes whose blocks are encoded after anchor passages (--anchor-passages, else
-    `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``."""
+    the mode's `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``."""
     key = _attention_key(m, retrieval_config, cfg.recompute_select if cfg is not None else None,
                          cfg.recompute_ratio if cfg is not None else None)
     if cfg is not None and cfg.block_anchors and m.attention.startswith("block"):
         key += "+anchors"
     if m.attention.startswith("block"):  # the anchor passages its blocks are encoded after, when any
-        from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES
+        from ldqa.attention.block_attention import BlockConfig
 
-        n = DEFAULT_ANCHOR_PASSAGES if cfg is None or cfg.anchor_passages is None else cfg.anchor_passages
+        n = BlockConfig(anchor_passages=cfg.anchor_passages if cfg is not None else None).resolved(
+            m.attention).anchor_passages
         if n:
             key += f"+anchor{n}"
     if m.collection:

@@ -193,11 +193,28 @@ def test_precompute_kv_fills_the_store_and_replacement_drops_blocks(tiny_qa, tmp
     assert tiny_qa.kv_store.stats.entries_on_disk == kv["blocks"]
     ans = tiny_qa.ask("What is the maximum load of the chamber?", top_k=2, attention="block", debias="none")
     assert ans.timings["kv_hits"] == 2 and ans.timings["kv_misses"] == 0
+    # block modes whose default anchor passages differ read blocks of their own: precomputed per mode
+    from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES
+
+    if DEFAULT_ANCHOR_PASSAGES["block"] != DEFAULT_ANCHOR_PASSAGES["block+recompute"]:
+        cold = tiny_qa.ask("What is the maximum load of the chamber?", top_k=2, attention="block+recompute",
+                           debias="none", recompute_ratio=0.0)
+        assert cold.timings["kv_misses"] > 0
+        again = tiny_qa.precompute_kv(attention="block+recompute")
+        assert again["computed"] == again["blocks"] - cold.timings["kv_misses"]
+        warm = tiny_qa.ask("What is the maximum load of the chamber?", top_k=2, attention="block+recompute",
+                           debias="none", recompute_ratio=0.0)
+        assert warm.timings["kv_hits"] == 2 and warm.timings["kv_misses"] == 0
+        assert tiny_qa.precompute_kv(attention="block")["computed"] == 0  # block's blocks are still there
+    for bad in ("full", "retrieval", "blocks"):
+        with pytest.raises(ValueError, match="precomputed for a block mode"):
+            tiny_qa.precompute_kv(attention=bad)
+    n_blocks = tiny_qa.kv_store.stats.entries_on_disk
     log = docs / "maintenance_log.txt"
     n_old = tiny_qa.store.get_document_by_path(str(log.resolve()))["n_chunks"]
     log.write_text("Fresh content about kiln paint colours only.\n", encoding="utf-8")
     tiny_qa.ingest([log])  # its chunks go, and with them their KV blocks; the others stay
-    assert tiny_qa.kv_store.stats.entries_on_disk == kv["blocks"] - n_old
+    assert tiny_qa.kv_store.stats.entries_on_disk == n_blocks - n_old * (n_blocks // kv["blocks"])
 
 
 def test_same_bytes_twice_in_one_batch_is_stored_once(tiny_qa, tmp_path):
@@ -323,7 +340,7 @@ def test_anchor_passages_encode_every_block_after_them_under_keys_of_their_own(t
     q = "What torque for the fan hub bolts?"
     off = tiny_qa.ask(q, top_k=3, attention="block", debias="none", anchor_passages=0)
     on = tiny_qa.ask(q, top_k=3, attention="block", debias="none", anchor_passages=2)
-    assert "anchor_passages" not in off.settings and on.settings["anchor_passages"] == 2
+    assert off.settings["anchor_passages"] == 0 and on.settings["anchor_passages"] == 2
     assert on.timings["kv_misses"] == 3  # the same passages' blocks under other keys
     again = tiny_qa.ask(q, top_k=3, attention="block", debias="none", anchor_passages=2)
     assert again.timings["kv_hits"] == 3 and again.text == on.text
@@ -335,11 +352,14 @@ def test_anchor_passages_encode_every_block_after_them_under_keys_of_their_own(t
     k0, _ = rt.encode_block(seg.prefix, seg.passages[0])
     assert not torch.allclose(k, k0)  # the anchor changes what the block saw
     assert "anchor_passages" not in tiny_qa.ask(q, top_k=3, debias="none").settings  # full attention
-    assert tiny_qa.ask(q, top_k=3, attention="block", debias="none").settings.get("anchor_passages", 0) == \
-        DEFAULT_ANCHOR_PASSAGES
+    for mode in ("block", "block+recompute"):  # each block mode's own default
+        assert tiny_qa.ask(q, top_k=3, attention=mode, debias="none").settings["anchor_passages"] == \
+            DEFAULT_ANCHOR_PASSAGES[mode]
     # debiasing in block modes measures with the anchors: a bias curve of its own
     e = tiny_qa.engine
-    assert e.bias_curve_path(3, "block", anchor_passages=2) != e.bias_curve_path(3, "block")
+    assert e.bias_curve_path(3, "block", anchor_passages=2) != e.bias_curve_path(3, "block", anchor_passages=0)
+    assert e.bias_curve_path(3, "block") == e.bias_curve_path(3, "block", anchor_passages=DEFAULT_ANCHOR_PASSAGES["block"])
+    assert e.bias_curve_path(3, "full") == e.bias_curve_path(3, "full", anchor_passages=2)  # block modes only
     cr = tiny_qa.ask(q, top_k=3, attention="block", debias="calibrate+reorder", anchor_passages=2)
     assert cr.settings["anchor_passages"] == 2 and e.bias_curve_path(3, "block", anchor_passages=2).exists()
     for bad in (-1, 7, "2"):

@@ -35,6 +35,8 @@ CASES = [(a, d, {}) for a, d in MODES] + [
     ("block+recompute", "none", {"recompute_select": "lead"}),
     ("block", "none", {"block_anchors": True}),
     ("block", "none", {"block_headers": "fresh"}),
+    ("block", "none", {"anchor_passages": 0}),
+    ("block+recompute", "none", {"anchor_passages": 1}),
     ("retrieval", "none", {"top_k_keys": 8, "window": 4}),
     ("retrieval", "none", {"top_k_keys": "all"}),
     ("full", "calibrate", {"debias_orders": 2, "debias_calibration": "pearson"}),

@@ -48,12 +48,14 @@ def test_the_default_model_s_curves_ship_for_the_default_top_k():
     """The default model at the default top_k needs no estimate, with full attention (--debias calibrate)
     or block attention (whose default debiasing reads a curve): the demo's second setting is one of them."""
     from ldqa.app.api import DEFAULT_TOP_K
+    from ldqa.attention.block_attention import BlockConfig
     from ldqa.attention.loader import DEFAULT_MODEL, default_weights
 
     made = json.loads(B.BUNDLED.read_text())["made_with"]
-    have = {(m["model"], m["weights"], m["attention"], m["k"]) for m in made.values()}
-    for mode in ("full", "block"):
-        assert (DEFAULT_MODEL, default_weights(), mode, DEFAULT_TOP_K) in have, mode
+    have = {(m["model"], m["weights"], m["attention"], m["k"], m.get("anchor_passages", 0)) for m in made.values()}
+    for mode in ("full", "block"):  # block: its blocks after the default anchor passages, as answers read it
+        anchor = BlockConfig().resolved(mode).anchor_passages or 0
+        assert (DEFAULT_MODEL, default_weights(), mode, DEFAULT_TOP_K, anchor) in have, mode
 
 
 @pytest.mark.slow

@@ -32,12 +32,21 @@ def _recipe() -> str:
     return "" if plain else f"+select={DEFAULT_SELECT}@{DEFAULT_RECOMPUTE_RATIO:g}"
 
 
+def _anchor(attention: str) -> str:
+    """A block mode's key suffix for the default anchor passages (none when the default is 0)."""
+    from ldqa.attention.block_attention import BlockConfig
+
+    n = BlockConfig().resolved(attention).anchor_passages
+    return f"+anchor{n}" if n else ""
+
+
 @pytest.mark.parametrize("mode", sorted(KEYS))
 def test_mode_cache_keys_keep_their_values(mode):
-    """The recorded keys; block+recompute's carry its default recipe, so answers of another recipe are
-    not read as this one's."""
+    """The recorded keys; block+recompute's carry its default recipe, and block modes' their default
+    anchor passages, so answers of another recipe are not read as this one's."""
     measured = "+measured=block" if mode[0] == "block+recompute" and mode[1] != "none" else ""
-    assert mode_cache_key(Mode(*mode)) == KEYS[mode] + (_recipe() if mode[0] == "block+recompute" else "") + measured
+    assert mode_cache_key(Mode(*mode)) == (KEYS[mode] + (_recipe() if mode[0] == "block+recompute" else "") + measured
+                                           + _anchor(mode[0]))
 
 
 def test_a_changed_retrieval_setting_changes_the_key():
@@ -50,12 +59,13 @@ def test_a_recompute_recipe_other_than_deviation_at_0_15_changes_block_recompute
 
     cfg = EvalConfig(benchmark="nq-multidoc", data="x", recompute_select="question", recompute_ratio=0.3)
     assert mode_cache_key(Mode("block+recompute", "sort"), cfg=cfg) \
-        == "block+recompute/sort@-+select=question@0.3+measured=block"
+        == "block+recompute/sort@-+select=question@0.3+measured=block" + _anchor("block+recompute")
     assert mode_cache_key(Mode("block+recompute", "sort"), cfg=EvalConfig(
         benchmark="nq-multidoc", data="x", recompute_select="deviation", recompute_ratio=0.15)) \
-        == KEYS[("block+recompute", "sort", None)] + "+measured=block"
-    assert mode_cache_key(Mode("block+recompute"), cfg=cfg) == "block+recompute/none@-+select=question@0.3"
-    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == KEYS[("block", "none", "hybrid")]
+        == KEYS[("block+recompute", "sort", None)] + "+measured=block" + _anchor("block+recompute")
+    assert mode_cache_key(Mode("block+recompute"), cfg=cfg) == "block+recompute/none@-+select=question@0.3" + \
+        _anchor("block+recompute")
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == KEYS[("block", "none", "hybrid")] + _anchor("block")
     assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
 
 
@@ -63,12 +73,11 @@ def test_block_anchors_change_the_block_modes_keys_only():
     from ldqa.eval.harness import EvalConfig
 
     cfg = EvalConfig(benchmark="jsonl", data="x", block_anchors=True)
-    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == "block/none@hybrid+anchors"
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == "block/none@hybrid+anchors" + _anchor("block")
     assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
 
 
 def test_anchor_passages_change_the_block_modes_keys_only():
-    from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES
     from ldqa.eval.harness import EvalConfig
 
     cfg = EvalConfig(benchmark="nq-multidoc", data="x", anchor_passages=3)
@@ -77,5 +86,7 @@ def test_anchor_passages_change_the_block_modes_keys_only():
     zero = EvalConfig(benchmark="nq-multidoc", data="x", anchor_passages=0)
     assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=zero) == KEYS[("block", "none", "hybrid")]
     default = mode_cache_key(Mode("block", "none", "hybrid"), cfg=EvalConfig(benchmark="nq-multidoc", data="x"))
-    assert default == KEYS[("block", "none", "hybrid")] + (f"+anchor{DEFAULT_ANCHOR_PASSAGES}" if DEFAULT_ANCHOR_PASSAGES
-                                                      else "")
+    assert default == KEYS[("block", "none", "hybrid")] + _anchor("block")
+    recompute = mode_cache_key(Mode("block+recompute", "calibrate+reorder"), cfg=cfg)  # each block mode's own
+    assert recompute.endswith("+anchor3") and recompute[:-len("+anchor3")] == mode_cache_key(
+        Mode("block+recompute", "calibrate+reorder"), cfg=zero) + _anchor("block+recompute")

@@ -155,6 +155,11 @@ def test_ingest_precompute_default_follows_the_default_attention(monkeypatch):
         assert ap.parse_args(["ingest", "x", "--precompute-kv"]).precompute_kv is True
         assert ap.parse_args(["ingest", "x", "--no-precompute-kv"]).precompute_kv is False
         assert ap.parse_args(["ask", "q?"]).attention == mode
+        assert ap.parse_args(["ingest", "x"]).precompute_attention == "block"  # whose blocks: the default's
+        assert ap.parse_args(["ingest", "x", "--precompute-attention", "block+recompute"]).precompute_attention \
+            == "block+recompute"
+    monkeypatch.setattr(AnswerOptions.__dataclass_fields__["attention"], "default", "block+recompute")
+    assert build_parser().parse_args(["ingest", "x"]).precompute_attention == "block+recompute"
 
 
 def _ldqa_stdin(stdin: str, *args):

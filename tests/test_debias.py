@@ -177,9 +177,13 @@ def test_debias_methods_keep_passages_and_citations(tiny_qa, method, attention):
 @pytest.mark.parametrize("method", ["calibrate", "calibrate+reorder", "sort"])
 def test_block_recompute_measures_on_the_block_cache(tiny_qa, method):
     # block+recompute ranks the passages by the question's attention over the plain block cache (the pass
-    # its selection makes), so it measures what block mode measures, then recomputes the final order once
+    # its selection makes), so it measures what block mode measures over the same blocks (those of its own
+    # anchor passages), then recomputes the final order once
+    from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES
+
     q = "What torque for the fan hub bolts?"
-    blk = tiny_qa.answer(q, PASSAGES, attention="block", debias=method)
+    blk = tiny_qa.answer(q, PASSAGES, attention="block", debias=method,
+                         anchor_passages=DEFAULT_ANCHOR_PASSAGES["block+recompute"])
     br = tiny_qa.answer(q, PASSAGES, attention="block+recompute", debias=method)
     assert [p.title for p in br.passages] == [p.title for p in blk.passages]
     for key in ("passage_attention", "calibrated_relevance", "passage_weights"):
@@ -533,7 +537,9 @@ def test_final_build_computes_the_question_under_the_intervention_in_its_own_pas
     q = "What torque for the fan hub bolts?"
     eng, llm = tiny_qa.engine, tiny_qa.engine.llm
     # a strong intervention (log weights of several units), so that biasing the wrong rows would show
-    cfg = AttentionConfig.from_kwargs(attention, debias="calibrate+reorder", debias_strength=40).resolved()
+    # (no anchor passages: `build` below lays out the prompt alone, as the engine's callers give it)
+    cfg = AttentionConfig.from_kwargs(attention, debias="calibrate+reorder", debias_strength=40,
+                                      anchor_passages=0).resolved()
 
     def build(ps):
         return build_prompt(llm.tokenizer, ps, q)
@@ -546,7 +552,8 @@ def test_final_build_computes_the_question_under_the_intervention_in_its_own_pas
         return forward(self, tokens, *a, **k)
 
     monkeypatch.setattr(type(llm.model), "forward", counting)
-    tiny_qa.answer(q, PASSAGES, attention=attention, debias="calibrate+reorder", debias_strength=40)  # blocks, curve
+    tiny_qa.answer(q, PASSAGES, attention=attention, debias="calibrate+reorder", debias_strength=40,
+                   anchor_passages=0)  # blocks, curve
 
     def run():
         calls.clear()

@@ -85,7 +85,11 @@ def test_mode_specs_cross_product(monkeypatch):
 
     cal = Mode("block", "calibrate")
     key = harness.mode_cache_key(cal)
-    assert key.startswith("block/calibrate@-#") and harness.mode_cache_key(Mode("block", "sort")) == "block/sort@-"
+    from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES
+
+    anchor = f"+anchor{DEFAULT_ANCHOR_PASSAGES['block']}" if DEFAULT_ANCHOR_PASSAGES["block"] else ""
+    assert key.startswith("block/calibrate@-#") and key.endswith(anchor)
+    assert harness.mode_cache_key(Mode("block", "sort")) == "block/sort@-" + anchor
     other_form = "difference" if debias.CALIBRATION["block"] == "ratio" else "ratio"
     monkeypatch.setitem(debias.CALIBRATION, "block", other_form)
     assert harness.mode_cache_key(cal) != key

@@ -135,22 +135,23 @@ def run_session(args) -> dict:
             bias_ms = (time.perf_counter() - t0) * 1000
         else:
             bias_ms = 0.0
-        if not (precompute and "precompute" in result):  # the precomputed runs share one precomputation
+        pre_key = "precompute" if attention == "block" else f"precompute {attention}"  # block modes' own blocks
+        if not (precompute and pre_key in result):  # the precomputed runs of a mode share one precomputation
             qa.kv_store.clear()
         qa.prefill_memo.clear()
         if attention.startswith("block"):
             qa.block_runtime  # noqa: B018  (the RoPE self-check, done once per LongDocQA, before the clock)
         run = {"config": config, "precomputed": precompute, "bias_curve_ms": bias_ms, "questions": []}
         if precompute:
-            if "precompute" not in result:  # what `ldqa ingest` adds by default in block modes: timed once
-                pre = qa.precompute_kv()
+            if pre_key not in result:  # what `ldqa ingest --precompute-kv` adds: timed once per mode
+                pre = qa.precompute_kv(attention=attention)
                 kv = qa.kv_store.stats
-                result["precompute"] = {"blocks": pre["blocks"], "computed": pre["computed"], "ms": pre["ms"],
+                result[pre_key] = {"blocks": pre["blocks"], "computed": pre["computed"], "ms": pre["ms"],
                                         "kv_disk_bytes": _dir_bytes(qa.store.path / "kv"),
                                         "kv_payload_bytes": kv.bytes_on_disk, "kv_entries": kv.entries_on_disk}
             else:
-                qa.precompute_kv()  # a resumed run: every block is stored already (nothing computed)
-            run["precompute"] = result["precompute"]
+                qa.precompute_kv(attention=attention)  # a resumed run: every block is stored already
+            run["precompute"] = result[pre_key]
         t_session = time.perf_counter()
         for q in qs:
             t0 = time.perf_counter()
