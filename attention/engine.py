@@ -298,7 +298,7 @@ class Engine:
         seed). `theta_scale` (full attention only) multiplies the global layers' RoPE base, as an
         Attention Buckets branch does: where its troughs fall. `anchor_passages` (block modes): the
         blocks encoded after that many anchor passages (`Calibration.anchor`), a curve of its own; None:
-        the block modes' default (`BlockConfig.resolved`). Raises ValueError for a theta_scale other
+        the mode's default (`BlockConfig.resolved`). Raises ValueError for a theta_scale other
         than 1 in a block mode (stored blocks carry the model's base), RuntimeError without calibration
         text."""
         from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO
@@ -333,7 +333,7 @@ class Engine:
                         block_headers: str | None = None, theta_scale: float = 1.0,
                         anchor_passages: int | None = None) -> Path:
         """Where `bias_curve` caches the curve of these arguments (`bias_cache_path` under the cache root;
-        its file stem is the curve's name among the bundled ones; anchor_passages None: the block modes'
+        its file stem is the curve's name among the bundled ones; anchor_passages None: the mode's
         default). Raises ValueError for a theta_scale other than 1 in a block mode."""
         from ldqa.attention.block_attention import DEFAULT_HEADERS
         from ldqa.attention.loader import cache_root
