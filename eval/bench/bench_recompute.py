@@ -5,7 +5,8 @@ NQ-open multi-doc (eval/nq.py: the gold passage and 9 distractors, gold at each 
 answers of at most --max-new-tokens, best-subspan EM, no debiasing (the passages stay where they are put).
 Variants (--variants, comma-separated):
   full                      exact attention over the whole prompt
-  block                     stored passage blocks, only the question computed
+  block                     stored passage blocks, only the question computed (after block mode's
+                            default anchor passages; block/anchor=N for another number)
   SELECT@R                  block+recompute of the fraction R of the passage tokens chosen by SELECT
                             (`block_attention.SELECT_METHODS`: question, deviation, lead)
   question@R/K=V[,K=V]      the same with the selection's settings (`BlockRuntime`): layers=L ranks by
