@@ -171,7 +171,7 @@ class LongDocQA:
         from ldqa.app import ray_workers
 
         ray_workers.check_options(ray, workers, threads_per_worker)
-        _block_mode(attention)
+        _check_block_mode(attention)
         t0 = time.perf_counter()
         rows = self.store.get_chunks(self.store.chunk_ids(doc_ids))
         bar = progress_bar(rows, progress, "kv blocks")
@@ -195,9 +195,11 @@ class LongDocQA:
         `DEFAULT_ANCHOR_PASSAGES` anchor passages), encoding the missing ones; on_block(1) after each.
         Returns the `PrefillStats` (kv_hits, kv_misses = blocks computed, encode_ms). Raises ValueError
         when `attention` is not a block mode."""
+        from ldqa.attention.block_attention import anchor_passages_of
+
+        _check_block_mode(attention)
         rt, tok, chat = self.block_runtime, self.llm.tokenizer, self.chat_format()
-        n = _block_mode(attention).anchor_passages
-        anchor = anchor_ids(tok, n, None, chat)  # as the mode's default answers encode them
+        anchor = anchor_ids(tok, anchor_passages_of(attention), None, chat)  # as the mode's answers encode them
         segs = [build_prompt(tok, [Passage(r["title"], r["text"], r["page"], r["id"], header=r["header"])], "?",
                              chat=chat) for r in rows]
         with self._generate_lock:
@@ -665,15 +667,11 @@ def _check_question(question, top_k: int = 1, retriever: str = "hybrid") -> None
     check_option("retriever", retriever)
 
 
-def _block_mode(attention: str):
-    """`attention`'s resolved `BlockConfig` (its default anchor passages and the rest); ValueError naming
-    it unless it is a block mode."""
-    from ldqa.attention.block_attention import BlockConfig
-
+def _check_block_mode(attention: str) -> None:
+    """ValueError naming `attention` unless it is a block mode (whose KV blocks can be precomputed)."""
     if attention not in ATTENTION_MODES or not attention.startswith("block"):
         raise ValueError(f"attention={attention!r}: KV blocks are precomputed for a block mode: "
                          f"{', '.join(m for m in ATTENTION_MODES if m.startswith('block'))}")
-    return BlockConfig().resolved(attention)
 
 
 def _ms(t0: float) -> float:

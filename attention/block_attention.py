@@ -131,6 +131,12 @@ class BlockConfig:
         return BlockConfig(ratio, self.headers or DEFAULT_HEADERS, self.select or DEFAULT_SELECT, anchors, n)
 
 
+def anchor_passages_of(mode: str, n: int | None = None) -> int:
+    """The anchor passages attention `mode` encodes its passage blocks after: `n`, None the mode's default
+    (`DEFAULT_ANCHOR_PASSAGES`); 0 outside block modes. Raises ValueError for a negative `n`."""
+    return BlockConfig(anchor_passages=n).resolved(mode).anchor_passages or 0
+
+
 def check_select(select) -> None:
     """Raise ValueError unless `select` is None, one of `SELECT_METHODS` or a non-empty tuple of passage
     ranks (ints >= 1)."""

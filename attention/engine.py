@@ -30,18 +30,12 @@ import torch
 
 from ldqa.attention.bias_curve import (Calibration, bias_cache_path, curve_key, estimate_bias,
                                        load_or_estimate_bias)
-from ldqa.attention.block_attention import BlockConfig
+from ldqa.attention.block_attention import BlockConfig, anchor_passages_of
 from ldqa.attention.choices import ATTENTION_MODES, default_debias
 from ldqa.attention.context import Context, PrefillMemo, exact_prefill, policy_prefill
 from ldqa.attention.debias import DebiasConfig, DebiasStats
 from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.retrieval_attention import RetrievalConfig
-
-
-def _anchor_passages(attention: str, n: int | None) -> int:
-    """The anchor passages a bias curve of `attention` mode is measured with: `n`, None the mode's default
-    (`BlockConfig.resolved`); 0 outside block modes."""
-    return BlockConfig(anchor_passages=n).resolved(attention).anchor_passages or 0
 
 
 @dataclass(frozen=True)
@@ -298,12 +292,12 @@ class Engine:
         seed). `theta_scale` (full attention only) multiplies the global layers' RoPE base, as an
         Attention Buckets branch does: where its troughs fall. `anchor_passages` (block modes): the
         blocks encoded after that many anchor passages (`Calibration.anchor`), a curve of its own; None:
-        the mode's default (`BlockConfig.resolved`). Raises ValueError for a theta_scale other
+        the mode's default (`anchor_passages_of`). Raises ValueError for a theta_scale other
         than 1 in a block mode (stored blocks carry the model's base), RuntimeError without calibration
         text."""
         from ldqa.attention.block_attention import DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO
 
-        anchor_passages = _anchor_passages(attention, anchor_passages)
+        anchor_passages = anchor_passages_of(attention, anchor_passages)
         path = self.bias_curve_path(k, attention, n_examples, seed, block_headers, theta_scale, anchor_passages)
         # every block+recompute curve is measured at the default ratio (one curve per mode, not per ratio)
         block = BlockConfig(DEFAULT_RECOMPUTE_RATIO, block_headers or DEFAULT_HEADERS)
@@ -343,7 +337,7 @@ class Engine:
         return bias_cache_path(cache_root(), self.llm.fingerprint, k,
                                curve_key(attention, block_headers or DEFAULT_HEADERS, theta_scale,
                                          self.calibration.layout if self.calibration is not None else "",
-                                         _anchor_passages(attention, anchor_passages)),
+                                         anchor_passages_of(attention, anchor_passages)),
                                n_examples, seed)
 
     def clear_memo(self) -> None:

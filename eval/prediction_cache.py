@@ -80,10 +80,9 @@ def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None
     if cfg is not None and cfg.block_anchors and m.attention.startswith("block"):
         key += "+anchors"
     if m.attention.startswith("block"):  # the anchor passages its blocks are encoded after, when any
-        from ldqa.attention.block_attention import BlockConfig
+        from ldqa.attention.block_attention import anchor_passages_of
 
-        n = BlockConfig(anchor_passages=cfg.anchor_passages if cfg is not None else None).resolved(
-            m.attention).anchor_passages
+        n = anchor_passages_of(m.attention, cfg.anchor_passages if cfg is not None else None)
         if n:
             key += f"+anchor{n}"
     if m.collection:

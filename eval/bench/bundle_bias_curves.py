@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ldqa.attention.bias_curve import BUNDLED
-from ldqa.attention.block_attention import BlockConfig
+from ldqa.attention.block_attention import anchor_passages_of
 
 ABOUT = ("position-only attention bias curves (found-in-the-middle calibration) of ldqa's packaged models, by cache "
          "file name: the default model at the default top_k, Gemma 3 270M at k = 1..10; written by python -m "
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
                 curves[name] = qa.bias_curve(k, mode).tolist()
                 made[name] = {"model": qa.model_name, "weights": qa.weights, "attention": mode, "k": k,
                               "n_examples": 16, "seed": 0}
-                anchor = BlockConfig().resolved(mode).anchor_passages
+                anchor = anchor_passages_of(mode)
                 if anchor:  # block modes' blocks encoded after their default anchor passages
                     made[name]["anchor_passages"] = anchor
                 print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
