@@ -22,7 +22,7 @@ from ldqa.app.citations import cite
 from ldqa.app.options import RETRIEVERS, SEARCH_OPTIONS, AnswerOptions  # noqa: F401  (RETRIEVERS re-exported)
 from ldqa.app.options import check as check_option
 from ldqa.app.options import default as option_default
-from ldqa.app.prompt import STOP_STRINGS, anchor_ids, build_prompt, check_prompt_options, document_anchor_header
+from ldqa.app.prompt import STOP_STRINGS, anchor_ids, build_prompt, check_prompt_options
 from ldqa.attention.choices import ATTENTION_MODES, DEFAULT_DEBIAS, default_debias  # noqa: F401  (re-exported)
 from ldqa.retrieval.ingest import FileResult, IngestReport, ingest_files, progress_bar  # noqa: F401  (re-exported)
 
@@ -588,11 +588,9 @@ class LongDocQA:
             threads = decode_threads()
             with prefill_on(threads, llm.model):
                 # block modes' anchor passages, tokenized once for every build of this answer
-                n_anchor = settings.anchor_passages or 0
-                anchor = anchor_ids(llm.tokenizer, n_anchor, settings.instruction, chat)
-                after_doc = document_anchor_header(llm.tokenizer, n_anchor, chat)
+                anchor = anchor_ids(llm.tokenizer, settings.anchor_passages or 0, settings.instruction, chat)
                 built = self.engine.context(passages, lambda ps: _build_prompt(llm.tokenizer, ps, question, settings,
-                                                                               chat).with_anchor(anchor, after_doc),
+                                                                               chat).with_anchor(anchor),
                                             att_cfg, max_new)
             if debias == "buckets":
                 settings.bucket_scales = list(att_cfg.debias.bucket_scales)

@@ -232,14 +232,3 @@ def anchor_ids(tokenizer, n: int, instruction: str | None = None, chat=None) -> 
         SimpleNamespace(title="", text="", page=None)]
     seg = build_prompt(tokenizer, ps, "?", instruction, "", chat)
     return [t for h, b in zip(seg.headers[:n], seg.passages[:n]) for t in h + b] + list(seg.headers[n])
-
-
-def document_anchor_header(tokenizer, n: int, chat=None) -> list[int]:
-    """The ids that follow a document anchor (the document's start, `PromptSegments.anchors`) when a chunk
-    is encoded after `n` anchor passages as well: the header of passage n+2, so that the document's start
-    is laid out as passage n+1 and the chunk as the passage after it (`PromptSegments.with_anchor`). []
-    for n = 0: a chunk then follows its document's start directly. Raises ValueError for n outside
-    0..len(ANCHOR_PASSAGES)."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(ANCHOR_PASSAGES):
-        raise ValueError(f"anchor_passages={n!r}: use a whole number from 0 to {len(ANCHOR_PASSAGES)}")
-    return tokenizer.encode(header_text(n + 2, chat is not None and chat.blank_first)) if n else []

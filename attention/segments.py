@@ -43,18 +43,14 @@ class PromptSegments:
     def __len__(self) -> int:
         return len(self.ids())
 
-    def with_anchor(self, ids: list[int], after_document: list[int] = ()) -> "PromptSegments":
-        """These segments with `ids` as the anchor of every passage that has none of its own: generic
-        anchor passages (the app's `prompt.anchor_ids`) that every block is encoded after, so none is
-        stored as the list's first document. A passage with a document anchor of its own (a later chunk of
-        a long document) keeps it, after `ids` and followed by `after_document` when that is given (the
-        app's `prompt.document_anchor_header`: the document's start laid out as the passage after the
-        anchor passages, the chunk as the one after that); without it the document anchor alone. Changes
-        and returns self; unchanged for ids = []."""
+    def with_anchor(self, ids: list[int]) -> "PromptSegments":
+        """These segments with `ids` as the anchor of every passage that has none of its own (a later
+        chunk's document anchor is kept): generic anchor passages (the app's `prompt.anchor_ids`) that
+        every block is encoded after, so none is stored as the list's first document. Changes and
+        returns self; unchanged for ids = []."""
         if ids:
             own = self.anchors or [[] for _ in self.passages]
-            self.anchors = [list(ids) + list(a) + list(after_document) if a and after_document
-                            else list(a) if a else list(ids) for a in own]
+            self.anchors = [list(a) if a else list(ids) for a in own]
         return self
 
 

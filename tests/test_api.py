@@ -330,37 +330,6 @@ def test_block_anchors_encode_a_long_document_s_later_chunks_after_its_first(tin
         tiny_qa.ask(q, attention="block", block_anchors="yes")
 
 
-def test_block_anchors_with_anchor_passages_lay_the_document_start_out_as_the_next_passage(tiny_qa, tmp_path):
-    from ldqa.app.prompt import anchor_ids, build_prompt, document_anchor_header
-    from ldqa.attention.block_attention import PrefillStats
-
-    doc = tmp_path / "long.md"
-    doc.write_text("# Kiln handbook\n\n" + "\n\n".join(
-        f"Section {i}. The SL-30 kiln setting number {i} is {i * 7} degrees for batch {i}." for i in range(1, 80)),
-        encoding="utf-8")
-    tiny_qa.ingest([doc])
-    q = "What is setting number 61?"
-    on = tiny_qa.ask(q, top_k=4, attention="block", debias="none", block_anchors=True, anchor_passages=2)
-    assert on.settings["block_anchors"] is True and on.settings["anchor_passages"] == 2
-    tok, chat, rt = tiny_qa.llm.tokenizer, tiny_qa.chat_format(), tiny_qa.block_runtime
-    generic = anchor_ids(tok, 2, None, chat)
-    after = document_anchor_header(tok, 2, chat)
-    assert "Passage [4]" in tok.hf.decode(after) and document_anchor_header(tok, 0, chat) == []
-    anchored = tiny_qa._anchored(tiny_qa.retrieve(q, top_k=4))
-    assert any(p.anchor is not None for p in anchored) and any(p.anchor is None for p in anchored)
-    for p in anchored:
-        seg = build_prompt(tok, [p], q, chat=chat)
-        # a later chunk: the anchor passages, its document's start as passage 3, the header of passage 4;
-        # the document's first chunk: the anchor passages alone. The answer stored each under that key.
-        expected = generic + seg.anchors[0] + after if p.anchor is not None else generic
-        stats = PrefillStats()
-        rt.get_block(seg.prefix, seg.passages[0], p.chunk_id, stats, expected)
-        assert (stats.kv_hits, stats.kv_misses) == (1, 0)
-        if p.anchor is not None:  # not under the document anchor alone
-            rt.get_block(seg.prefix, seg.passages[0], p.chunk_id, stats, seg.anchors[0])
-            assert stats.kv_misses == 1
-
-
 def test_anchor_passages_encode_every_block_after_them_under_keys_of_their_own(tiny_qa, tmp_path):
     import torch
 

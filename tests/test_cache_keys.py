@@ -73,11 +73,7 @@ def test_block_anchors_change_the_block_modes_keys_only():
     from ldqa.eval.harness import EvalConfig
 
     cfg = EvalConfig(benchmark="jsonl", data="x", block_anchors=True)
-    # after anchor passages (block's default) the document's start is laid out as a passage: a key of its own
-    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == "block/none@hybrid+anchors-listed" + \
-        _anchor("block")
-    bare = EvalConfig(benchmark="jsonl", data="x", block_anchors=True, anchor_passages=0)
-    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=bare) == "block/none@hybrid+anchors"
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == "block/none@hybrid+anchors" + _anchor("block")
     assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
 
 

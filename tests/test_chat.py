@@ -316,7 +316,4 @@ def test_anchor_passages_are_laid_out_as_the_prompt_lists_passages_then_the_next
     two = build_prompt(tok, PASSAGES[:2], "q?", chat=chat)
     two.anchors = [[], [7, 8]]
     assert two.with_anchor(ids).anchors == [ids, [7, 8]]
-    # with the header after a document's start: that start laid out as the passage after the anchor passages
-    two.anchors = [[], [7, 8]]
-    assert two.with_anchor(ids, [9]).anchors == [ids, ids + [7, 8, 9]]
     assert build_prompt(tok, PASSAGES[:2], "q?", chat=chat).with_anchor([]).anchors is None
