@@ -190,24 +190,21 @@ class LongDocQA:
         return {"blocks": len(rows), "computed": computed, "ms": _ms(t0)}
 
     def encode_rows(self, rows: list[dict], on_block=None, attention: str = "block"):
-        """Make sure the KV block of each chunk row (`Store.get_chunks`: id, doc_id, title, text, page,
-        header) is in the KV block store as block mode `attention` reads it with its defaults (after its
-        `DEFAULT_ANCHOR_PASSAGES` anchor passages and, where its `DEFAULT_ANCHORS` is on, a later chunk
-        after its document's start), encoding the missing ones; on_block(1) after each.
+        """Make sure the KV block of each chunk row (`Store.get_chunks`: id, title, text, page, header) is
+        in the KV block store as block mode `attention` reads it with its defaults (after its
+        `DEFAULT_ANCHOR_PASSAGES` anchor passages), encoding the missing ones; on_block(1) after each.
         Returns the `PrefillStats` (kv_hits, kv_misses = blocks computed, encode_ms). Raises ValueError
         when `attention` is not a block mode."""
-        from ldqa.attention.block_attention import anchor_passages_of, anchors_of
+        from ldqa.attention.block_attention import anchor_passages_of
 
         _check_block_mode(attention)
         rt, tok, chat = self.block_runtime, self.llm.tokenizer, self.chat_format()
         anchor = anchor_ids(tok, anchor_passages_of(attention), None, chat)  # as the mode's answers encode them
-        passages = [Passage(r["title"], r["text"], r["page"], r["id"], r["doc_id"], header=r["header"]) for r in rows]
-        if anchors_of(attention):  # a later chunk after its document's start
-            passages = self._anchored(passages)
-        segs = [build_prompt(tok, [p], "?", chat=chat).with_anchor(anchor) for p in passages]
+        segs = [build_prompt(tok, [Passage(r["title"], r["text"], r["page"], r["id"], header=r["header"])], "?",
+                             chat=chat) for r in rows]
         with self._generate_lock:
-            return rt.encode([(s.prefix, s.passages[0], r["id"], s.anchors[0] if s.anchors else [])
-                              for s, r in zip(segs, rows)], on_block=on_block)
+            return rt.encode([(s.prefix, s.passages[0], r["id"], anchor) for s, r in zip(segs, rows)],
+                             on_block=on_block)
 
     def delete(self, doc_id: int) -> int:
         """Delete a document with its chunks and vectors; returns how many chunks went."""
@@ -354,9 +351,8 @@ class LongDocQA:
         `recompute_select`: "question" (the default: the tokens the question attends to most, over the whole
         context), "deviation" (CacheBlend, per passage), "lead",
         or a tuple of passage ranks recomputed whole; `ldqa.attention.choices.SELECT_METHODS`;
-        block_anchors in block modes encodes a later chunk of a long document after its document's first
-        chunk, Star Attention's anchor (default per mode, `block_attention.DEFAULT_ANCHORS`: on in block,
-        off in block+recompute)) or
+        block_anchors=True in block modes encodes a chunk of a long document after its document's first
+        chunk, Star Attention's anchor, default `block_attention.DEFAULT_ANCHORS`) or
         "retrieval" (exact prefill, then each decode step of a global-attention layer attends to the sink,
         the recent window and the top keys an ANN index over the cached keys returns: RetrievalAttention;
         settings `top_k_keys` (an int, or "all" for exact attention), `window`, `sink`, `index`,

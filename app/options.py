@@ -182,9 +182,8 @@ class AnswerOptions:
               "CacheBlend) or lead (each passage's first); default: ldqa.attention.block_attention.DEFAULT_SELECT",
         choices=SELECT_METHODS, ranks=True)
     block_anchors: bool | None = _opt(
-        None, "block modes: encode each later chunk of a long document after its document's first chunk (Star "
-              "Attention's anchor; default: on in block, off in block+recompute: "
-              "ldqa.attention.block_attention.DEFAULT_ANCHORS)", bool)
+        None, "block modes: encode each chunk of a long document after its document's first chunk (Star "
+              "Attention's anchor; default: ldqa.attention.block_attention.DEFAULT_ANCHORS)", bool)
     anchor_passages: int | None = _opt(
         None, "block modes: encode every passage block after this many generic passages (ldqa's own filler "
               "text, not part of the prompt), so no block is stored as the list's first document (default: "

@@ -78,10 +78,9 @@ SELECT_SCORE = "mean"
 # Off: on the default model it loses to recomputing fewer tokens through every layer (KL to full attention
 # 0.091 at the default's work against 0.030; docs/results.md, "Block reuse: where the points go")
 TAPER = None
-# Whether each block mode encodes a later chunk of a long document after its document's anchor (its first
-# chunk; `PromptSegments.anchors`, Star Attention) by default. Measured per mode (docs/results.md, "Anchor
-# passages"): in plain block they win back most of its loss on the essays; block+recompute needs none there
-DEFAULT_ANCHORS = {"block": True, "block+recompute": False}
+# Whether block modes encode a chunk of a long document after its document's anchor (its first chunk;
+# `PromptSegments.anchors`, Star Attention) by default
+DEFAULT_ANCHORS = False
 # How many generic passages (the app's `prompt.ANCHOR_PASSAGES`) each block mode encodes every passage block
 # after, beside the shared prefix, so that no block is stored as if it were the first document of the list
 # (`PromptSegments.anchors`; a later chunk's document anchor takes its place where on). 0: after the
@@ -98,7 +97,7 @@ class BlockConfig:
     block) or "fresh" (computed with the question); select: how block+recompute chooses its tokens
     (`SELECT_METHODS` or a tuple of passage ranks); anchors: encode each chunk of a long document after
     its document's first chunk (`PromptSegments.anchors`). None = the default (`DEFAULT_RECOMPUTE_RATIO`,
-    `DEFAULT_HEADERS`, `DEFAULT_SELECT`, `DEFAULT_ANCHORS` per mode), filled by `resolved`. anchor_passages: the
+    `DEFAULT_HEADERS`, `DEFAULT_SELECT`, `DEFAULT_ANCHORS`), filled by `resolved`. anchor_passages: the
     generic passages every block is encoded after (`DEFAULT_ANCHOR_PASSAGES`, per mode). Raises ValueError for
     a ratio outside [0, 1], an unknown header mode or selection, a negative anchor_passages."""
 
@@ -124,7 +123,7 @@ class BlockConfig:
         use none of them (all None)."""
         if not mode.startswith("block"):
             return BlockConfig()
-        anchors = DEFAULT_ANCHORS[mode] if self.anchors is None else bool(self.anchors)
+        anchors = DEFAULT_ANCHORS if self.anchors is None else bool(self.anchors)
         n = DEFAULT_ANCHOR_PASSAGES[mode] if self.anchor_passages is None else self.anchor_passages
         if mode != "block+recompute":
             return BlockConfig(None, self.headers or DEFAULT_HEADERS, None, anchors, n)
@@ -136,12 +135,6 @@ def anchor_passages_of(mode: str, n: int | None = None) -> int:
     """The anchor passages attention `mode` encodes its passage blocks after: `n`, None the mode's default
     (`DEFAULT_ANCHOR_PASSAGES`); 0 outside block modes. Raises ValueError for a negative `n`."""
     return BlockConfig(anchor_passages=n).resolved(mode).anchor_passages or 0
-
-
-def anchors_of(mode: str, on: bool | None = None) -> bool:
-    """Whether attention `mode` encodes a later chunk of a long document after its document's start: `on`,
-    None the mode's default (`DEFAULT_ANCHORS`); False outside block modes."""
-    return bool(BlockConfig(anchors=on).resolved(mode).anchors)
 
 
 def check_select(select) -> None:

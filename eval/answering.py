@@ -149,7 +149,7 @@ def _recompute_kw(cfg: EvalConfig, mode: Mode, ex: dict) -> dict:
     nq-multidoc only); {} for other modes."""
     if not mode.attention.startswith("block"):
         return {}
-    kw = {"block_anchors": cfg.block_anchors} if cfg.block_anchors is not None else {}
+    kw = {"block_anchors": True} if cfg.block_anchors else {}
     if cfg.anchor_passages is not None:
         kw["anchor_passages"] = cfg.anchor_passages
     if mode.attention != "block+recompute":

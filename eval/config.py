@@ -66,9 +66,8 @@ class EvalConfig:
     recompute_ratio, recompute_select : block+recompute's share of recomputed passage tokens and how they
         are chosen (`block_attention.SELECT_METHODS`, or "oracle": nq-multidoc's gold passage whole);
         None = the defaults.
-    block_anchors : block modes encode a later chunk of a long document after its document's first chunk
-        (modes with a retriever: chunks of a collection); None: the mode's default
-        (`block_attention.DEFAULT_ANCHORS`).
+    block_anchors : block modes encode a chunk of a long document after its document's first chunk
+        (jsonl with a retriever: the chunks of a record's collection).
     anchor_passages : block modes encode every passage block after this many generic anchor passages
         (None: the mode's default, `block_attention.DEFAULT_ANCHOR_PASSAGES`).
     device, kv_dtype : where the LLM runs and its KV cache's dtype (`LongDocQA`'s; None: the device's
@@ -96,7 +95,7 @@ class EvalConfig:
     niah_config: str | None = None
     recompute_ratio: float | None = None
     recompute_select: str | None = None
-    block_anchors: bool | None = None
+    block_anchors: bool = False
     anchor_passages: int | None = None
     progress: bool = True
     max_length: int | None = None

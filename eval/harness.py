@@ -73,7 +73,6 @@ Ray gives the same rows and either resumes the other.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import sys
 from dataclasses import asdict, fields
@@ -225,8 +224,9 @@ def add_arguments(p) -> None:
     p.add_argument("--recompute-select", choices=[*options.knob("recompute_select").choices, "oracle"], default=None,
                    help=options.knob("recompute_select").help + "; oracle: nq-multidoc's gold passage, whole, for "
                         "diagnostics")
-    p.add_argument("--block-anchors", action=argparse.BooleanOptionalAction, default=None,
-                   help=options.knob("block_anchors").help + " (modes with a retriever: the chunks of a collection)")
+    p.add_argument("--block-anchors", action="store_true",
+                   help=options.knob("block_anchors").help + " (jsonl with --retriever: the chunks of each record's "
+                        "collection)")
     p.add_argument("--anchor-passages", type=int, default=None, choices=range(0, options.knob("anchor_passages").high + 1),
                    metavar="N", help=options.knob("anchor_passages").help)
     p.add_argument("--max-length", type=int, default=None,

@@ -74,19 +74,16 @@ def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None
     collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings(cfg)`
     (chunking, embedder, abstention threshold): its retriever is already in `Mode.key`, --top-k in
     `settings_hash`. Block modes whose blocks are encoded after anchor passages (--anchor-passages, else
-    the mode's `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``; block modes with a retriever whose chunks are
-    encoded after their document's start (--block-anchors, else the mode's `DEFAULT_ANCHORS`) add
-    ``+anchors`` before it."""
+    the mode's `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``."""
     key = _attention_key(m, retrieval_config, cfg.recompute_select if cfg is not None else None,
                          cfg.recompute_ratio if cfg is not None else None)
-    if m.attention.startswith("block"):
-        from ldqa.attention.block_attention import anchor_passages_of, anchors_of
+    if cfg is not None and cfg.block_anchors and m.attention.startswith("block"):
+        key += "+anchors"
+    if m.attention.startswith("block"):  # the anchor passages its blocks are encoded after, when any
+        from ldqa.attention.block_attention import anchor_passages_of
 
         n = anchor_passages_of(m.attention, cfg.anchor_passages if cfg is not None else None)
-        # document anchors: only chunks of a collection (a mode with a retriever) have a document to anchor to
-        if m.retriever and anchors_of(m.attention, cfg.block_anchors if cfg is not None else None):
-            key += "+anchors"
-        if n:  # the anchor passages its blocks are encoded after
+        if n:
             key += f"+anchor{n}"
     if m.collection:
         st = collection_settings(cfg)

@@ -319,7 +319,7 @@ def test_block_anchors_encode_a_long_document_s_later_chunks_after_its_first(tin
         assert p.anchor == (None if rows[p.chunk_id]["ordinal"] == 0 else first["text"])
     q = "What is setting number 61?"
     on = tiny_qa.ask(q, top_k=4, attention="block", debias="none", block_anchors=True)
-    off = tiny_qa.ask(q, top_k=4, attention="block", debias="none", block_anchors=False)
+    off = tiny_qa.ask(q, top_k=4, attention="block", debias="none")
     assert on.settings["block_anchors"] is True and off.settings["block_anchors"] is False
     n_anchored = sum(p.anchor is not None for p in anchored)
     assert on.timings["kv_misses"] == 4 and off.timings["kv_misses"] == n_anchored  # anchored blocks: other keys
@@ -330,31 +330,6 @@ def test_block_anchors_encode_a_long_document_s_later_chunks_after_its_first(tin
         tiny_qa.ask(q, attention="block", block_anchors="yes")
 
 
-def test_precompute_stores_a_long_document_s_chunks_as_block_mode_reads_them(tiny_qa, tmp_path):
-    from ldqa.attention.block_attention import DEFAULT_ANCHORS
-
-    doc = tmp_path / "long.md"
-    doc.write_text("# Kiln handbook\n\n" + "\n\n".join(
-        f"Section {i}. The SL-30 kiln setting number {i} is {i * 7} degrees for batch {i}." for i in range(1, 80)),
-        encoding="utf-8")
-    tiny_qa.ingest([doc])
-    q = "What is setting number 61?"
-    n_later = sum(p.anchor is not None for p in tiny_qa._anchored(tiny_qa.retrieve(q, top_k=4)))
-    assert n_later > 0 and DEFAULT_ANCHORS == {"block": True, "block+recompute": False}
-    for mode in ("block", "block+recompute"):  # each with its default document anchors
-        assert tiny_qa.precompute_kv(attention=mode)["computed"] > 0
-        ans = tiny_qa.ask(q, top_k=4, attention=mode, debias="none")
-        assert ans.settings["block_anchors"] is DEFAULT_ANCHORS[mode]
-        assert (ans.timings["kv_hits"], ans.timings["kv_misses"]) == (4, 0)  # the blocks precompute stored
-    # block without them: its later chunks after the anchor passages, blocks not precomputed
-    off = tiny_qa.ask(q, top_k=4, attention="block", debias="none", block_anchors=False)
-    assert off.timings["kv_misses"] == n_later
-    # block+recompute with them: a later chunk follows its document's start alone in both modes (the
-    # document anchor takes the anchor passages' place), so block's precompute stored it
-    on = tiny_qa.ask(q, top_k=4, attention="block+recompute", debias="none", block_anchors=True)
-    assert (on.timings["kv_hits"], on.timings["kv_misses"]) == (4, 0)
-
-
 def test_anchor_passages_encode_every_block_after_them_under_keys_of_their_own(tiny_qa, tmp_path):
     import torch
 
@@ -363,13 +338,11 @@ def test_anchor_passages_encode_every_block_after_them_under_keys_of_their_own(t
 
     tiny_qa.ingest([_copy_sample(tmp_path / "docs")])
     q = "What torque for the fan hub bolts?"
-    # without document anchors, which take their place for a later chunk of a document
-    kw = {"attention": "block", "debias": "none", "block_anchors": False}
-    off = tiny_qa.ask(q, top_k=3, anchor_passages=0, **kw)
-    on = tiny_qa.ask(q, top_k=3, anchor_passages=2, **kw)
+    off = tiny_qa.ask(q, top_k=3, attention="block", debias="none", anchor_passages=0)
+    on = tiny_qa.ask(q, top_k=3, attention="block", debias="none", anchor_passages=2)
     assert off.settings["anchor_passages"] == 0 and on.settings["anchor_passages"] == 2
     assert on.timings["kv_misses"] == 3  # the same passages' blocks under other keys
-    again = tiny_qa.ask(q, top_k=3, anchor_passages=2, **kw)
+    again = tiny_qa.ask(q, top_k=3, attention="block", debias="none", anchor_passages=2)
     assert again.timings["kv_hits"] == 3 and again.text == on.text
     # the block read is the body encoded after prefix + anchor ids, moved to its slot (the runtime's own test)
     rt, chat = tiny_qa.block_runtime, tiny_qa.chat_format()

@@ -32,15 +32,12 @@ def _recipe() -> str:
     return "" if plain else f"+select={DEFAULT_SELECT}@{DEFAULT_RECOMPUTE_RATIO:g}"
 
 
-def _anchor(attention: str, retriever: str | None = None) -> str:
-    """A block mode's key suffix for its default anchors: document anchors where a retriever gives chunks of
-    a collection and the mode's default is on, then the anchor passages (none when the default is 0)."""
+def _anchor(attention: str) -> str:
+    """A block mode's key suffix for the default anchor passages (none when the default is 0)."""
     from ldqa.attention.block_attention import BlockConfig
 
-    c = BlockConfig().resolved(attention)
-    n = c.anchor_passages
-    doc = "+anchors" if retriever and c.anchors else ""
-    return doc + (f"+anchor{n}" if n else "")
+    n = BlockConfig().resolved(attention).anchor_passages
+    return f"+anchor{n}" if n else ""
 
 
 @pytest.mark.parametrize("mode", sorted(KEYS))
@@ -49,7 +46,7 @@ def test_mode_cache_keys_keep_their_values(mode):
     anchor passages, so answers of another recipe are not read as this one's."""
     measured = "+measured=block" if mode[0] == "block+recompute" and mode[1] != "none" else ""
     assert mode_cache_key(Mode(*mode)) == (KEYS[mode] + (_recipe() if mode[0] == "block+recompute" else "") + measured
-                                           + _anchor(mode[0], mode[2]))
+                                           + _anchor(mode[0]))
 
 
 def test_a_changed_retrieval_setting_changes_the_key():
@@ -68,8 +65,7 @@ def test_a_recompute_recipe_other_than_deviation_at_0_15_changes_block_recompute
         == KEYS[("block+recompute", "sort", None)] + "+measured=block" + _anchor("block+recompute")
     assert mode_cache_key(Mode("block+recompute"), cfg=cfg) == "block+recompute/none@-+select=question@0.3" + \
         _anchor("block+recompute")
-    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == KEYS[("block", "none", "hybrid")] + \
-        _anchor("block", "hybrid")
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == KEYS[("block", "none", "hybrid")] + _anchor("block")
     assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
 
 
@@ -79,28 +75,18 @@ def test_block_anchors_change_the_block_modes_keys_only():
     cfg = EvalConfig(benchmark="jsonl", data="x", block_anchors=True)
     assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == "block/none@hybrid+anchors" + _anchor("block")
     assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
-    # each block mode's default (on in block, off in block+recompute), --no-block-anchors off
-    default, off = EvalConfig(benchmark="jsonl", data="x"), EvalConfig(benchmark="jsonl", data="x", block_anchors=False)
-    hybrid = Mode("block", "none", "hybrid")
-    assert mode_cache_key(hybrid, cfg=default) == mode_cache_key(hybrid, cfg=cfg)
-    assert mode_cache_key(hybrid, cfg=off) == "block/none@hybrid" + _anchor("block")
-    on_br = EvalConfig(benchmark="jsonl", data="x", block_anchors=True)
-    assert "+anchors" not in mode_cache_key(Mode("block+recompute", "none", "hybrid"), cfg=default)
-    assert "+anchors+" in mode_cache_key(Mode("block+recompute", "none", "hybrid"), cfg=on_br) + "+"
-    # given passages (no retriever) have no document to anchor to: their keys stay
-    assert "+anchors" not in mode_cache_key(Mode("block"), cfg=cfg)
 
 
 def test_anchor_passages_change_the_block_modes_keys_only():
     from ldqa.eval.harness import EvalConfig
 
     cfg = EvalConfig(benchmark="nq-multidoc", data="x", anchor_passages=3)
-    assert mode_cache_key(Mode("block"), cfg=cfg) == "block/none@-" + "+anchor3"
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=cfg) == KEYS[("block", "none", "hybrid")] + "+anchor3"
     assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
     zero = EvalConfig(benchmark="nq-multidoc", data="x", anchor_passages=0)
-    assert mode_cache_key(Mode("block"), cfg=zero) == "block/none@-"
-    default = mode_cache_key(Mode("block"), cfg=EvalConfig(benchmark="nq-multidoc", data="x"))
-    assert default == "block/none@-" + _anchor("block")
+    assert mode_cache_key(Mode("block", "none", "hybrid"), cfg=zero) == KEYS[("block", "none", "hybrid")]
+    default = mode_cache_key(Mode("block", "none", "hybrid"), cfg=EvalConfig(benchmark="nq-multidoc", data="x"))
+    assert default == KEYS[("block", "none", "hybrid")] + _anchor("block")
     recompute = mode_cache_key(Mode("block+recompute", "calibrate+reorder"), cfg=cfg)  # each block mode's own
     assert recompute.endswith("+anchor3") and recompute[:-len("+anchor3")] == mode_cache_key(
         Mode("block+recompute", "calibrate+reorder"), cfg=zero) + _anchor("block+recompute")

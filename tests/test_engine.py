@@ -8,8 +8,8 @@ import torch
 
 from ldqa.app.prompt import build_prompt
 from ldqa.attention import debias as D
-from ldqa.attention.block_attention import (DEFAULT_ANCHOR_PASSAGES, DEFAULT_ANCHORS, DEFAULT_HEADERS,
-                                            DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECT, BlockConfig)
+from ldqa.attention.block_attention import (DEFAULT_ANCHOR_PASSAGES, DEFAULT_HEADERS, DEFAULT_RECOMPUTE_RATIO,
+                                            DEFAULT_SELECT, BlockConfig)
 from ldqa.attention.debias import DebiasConfig
 from ldqa.attention.engine import AttentionConfig, Engine
 from ldqa.attention.loader import load_model
@@ -27,8 +27,8 @@ class _P:
 
 def test_resolved_fills_each_modes_defaults():
     cfg = AttentionConfig.from_kwargs("block+recompute", debias="calibrate").resolved()
-    assert cfg.block == BlockConfig(DEFAULT_RECOMPUTE_RATIO, DEFAULT_HEADERS, DEFAULT_SELECT,
-                                     DEFAULT_ANCHORS["block+recompute"], DEFAULT_ANCHOR_PASSAGES["block+recompute"])
+    assert cfg.block == BlockConfig(DEFAULT_RECOMPUTE_RATIO, DEFAULT_HEADERS, DEFAULT_SELECT, False,
+                                     DEFAULT_ANCHOR_PASSAGES["block+recompute"])
     assert cfg.settings()["recompute_select"] == DEFAULT_SELECT
     assert (cfg.debias.orders, cfg.debias.calibration) == (D.MEASURE_ORDERS["block+recompute"],
                                                           D.CALIBRATION["block+recompute"])
@@ -44,7 +44,7 @@ def test_resolved_fills_each_modes_defaults():
     given = AttentionConfig.from_kwargs("block", debias="calibrate", debias_calibration="pearson", debias_strength=0)
     s = given.resolved().settings()
     assert s == {"debias": "calibrate", "debias_orders": 2, "debias_calibration": "pearson", "debias_strength": 0.0,
-                 "block_headers": DEFAULT_HEADERS, "block_anchors": DEFAULT_ANCHORS["block"],
+                 "block_headers": DEFAULT_HEADERS, "block_anchors": False,
                  "anchor_passages": DEFAULT_ANCHOR_PASSAGES["block"]}
     assert given.resolved().resolved() == given.resolved()  # idempotent
 
