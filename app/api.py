@@ -163,7 +163,10 @@ class LongDocQA:
                       workers: int | None = None, threads_per_worker: int = 1, attention: str = "block") -> dict:
         """Encode and store the KV block of every chunk of `doc_ids` (default: all) for the current model,
         as block mode `attention` reads them (after its default anchor passages, which differ by mode), so
-        the first question over them in that mode already hits the store. Returns {"blocks", "computed", "ms"}.
+        the first question over them in that mode already hits the store. Returns {"blocks", "computed",
+        "tokens", "bytes", "ms"}: the chunks covered, the blocks computed (the others were stored already),
+        their passage tokens, the bytes they take in the KV store (tokens x the model's KV size per token in
+        the store's dtype) and the wall time (ms, model loading excluded).
         ray, workers, threads_per_worker: as in `ingest`; the workers write the blocks to this store's
         ``kv/`` directory themselves, so it must be on a filesystem every worker reaches (RuntimeError
         otherwise). Raises ValueError when `attention` is not a block mode.
@@ -172,22 +175,26 @@ class LongDocQA:
 
         ray_workers.check_options(ray, workers, threads_per_worker)
         _check_block_mode(attention)
-        t0 = time.perf_counter()
         rows = self.store.get_chunks(self.store.chunk_ids(doc_ids))
-        bar = progress_bar(rows, progress, "kv blocks")
+        if rows:
+            self.llm  # noqa: B018  (loaded before timing; on Ray a converted weight cache is written once, here)
+        t0 = time.perf_counter()
+        bar = progress_bar(rows, progress, "kv blocks", unit="block")
         try:
             if ray is None:
-                computed = self.encode_rows(rows, on_block=bar.update if bar is not None else None,
-                                            attention=attention).kv_misses
+                stats = self.encode_rows(rows, on_block=bar.update if bar is not None else None, attention=attention)
+                computed, tokens = stats.kv_misses, stats.tokens_computed
             else:
-                self.llm  # noqa: B018  (a converted weight cache is written once, here, before the workers read it)
                 with ray_workers.connected(ray) as r:
-                    computed = ray_workers.precompute_on_ray(r, self, rows, workers, threads_per_worker,
-                                                             bar.update if bar is not None else None, attention)
+                    computed, tokens = ray_workers.precompute_on_ray(r, self, rows, workers, threads_per_worker,
+                                                                     bar.update if bar is not None else None,
+                                                                     attention)
         finally:
             if bar is not None:
                 bar.close()
-        return {"blocks": len(rows), "computed": computed, "ms": _ms(t0)}
+        ms = _ms(t0)
+        n_bytes = tokens * self.llm.model.cfg.kv_bytes_per_token(self.kv_store.dtype) if tokens else 0
+        return {"blocks": len(rows), "computed": computed, "tokens": tokens, "bytes": n_bytes, "ms": ms}
 
     def encode_rows(self, rows: list[dict], on_block=None, attention: str = "block"):
         """Make sure the KV block of each chunk row (`Store.get_chunks`: id, title, text, page, header) is

@@ -141,7 +141,7 @@ def cmd_ingest(args) -> int:
             new_docs = [f.doc_id for f in report.files if f.status in ("added", "replaced")]
             kv = qa.precompute_kv(new_docs, progress=not args.json, attention=args.precompute_attention, **on_ray)
             if not args.json:
-                print(f"KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
+                print("KV blocks: " + precompute_line(kv))
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -151,6 +151,18 @@ def cmd_ingest(args) -> int:
         print(f"{report.added} added/replaced, {report.skipped} skipped, {len(report.errors)} errors, "
               f"{report.chunks} chunks in {report.ms / 1000:.1f} s; store {qa.store.path}")
     return 1 if report.errors and not report.added and not report.skipped else 0
+
+
+def precompute_line(kv: dict) -> str:
+    """What `LongDocQA.precompute_kv`'s result `kv` says, in one line: the blocks, those computed, their
+    tokens, time and disk, and per 1K tokens computed the seconds and MB of disk (when any were computed)."""
+    s = kv["ms"] / 1000
+    line = (f"{kv['blocks']} ({kv['computed']} computed, {kv['tokens']:,} tokens, {kv['bytes'] / 1e6:.1f} MB) "
+            f"in {s:.1f} s")
+    if kv["tokens"]:
+        k = kv["tokens"] / 1000
+        line += f"; per 1K tokens {s / k:.1f} s and {kv['bytes'] / 1e6 / k:.1f} MB of disk"
+    return line
 
 
 def read_question(args, stdin=None) -> str:
@@ -235,7 +247,7 @@ def cmd_demo(args) -> int:
         print(f"  {f.status:9s} {Path(f.path).name}: {f.chunks} chunks {f.reason}")
     if opts.attention.startswith("block") and precompute_kv_by_default():  # as `ldqa ingest` does by default
         kv = qa.precompute_kv(attention=opts.attention)
-        print(f"  KV blocks: {kv['blocks']} ({kv['computed']} computed) in {kv['ms'] / 1000:.1f} s")
+        print("  KV blocks: " + precompute_line(kv))
     questions = [json.loads(line) for line in (SAMPLE_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
     debias = _debias_of(opts)
     setting = f"attention {opts.attention}, debias {debias}"

@@ -310,31 +310,33 @@ class KVWorker:
         self.qa = qa_class(store=store, model=model_name, weights=weights, kv_dtype=kv_dtype,
                            chat_template=chat_template, device=device)  # the same prompt prefix as the driver's: the same block keys
 
-    def encode(self, rows: list[dict], attention: str = "block") -> int:
+    def encode(self, rows: list[dict], attention: str = "block") -> tuple[int, int]:
         """Encode and store the blocks of chunk `rows` as block mode `attention` reads them
-        (`LongDocQA.encode_rows`); returns how many were computed (the rest were in the store already)."""
-        return self.qa.encode_rows(rows, attention=attention).kv_misses
+        (`LongDocQA.encode_rows`); returns how many were computed (the rest were in the store already) and
+        their tokens."""
+        stats = self.qa.encode_rows(rows, attention=attention)
+        return stats.kv_misses, stats.tokens_computed
 
 
 def precompute_on_ray(ray, qa, rows: list[dict], workers: int | None, threads: int, on_rows=None,
-                      attention: str = "block") -> int:
+                      attention: str = "block") -> tuple[int, int]:
     """Encode the KV blocks of chunk `rows` of `qa`'s collection, as block mode `attention` reads them, on a
     pool of `KVWorker`s (each with a `type(qa)` on the store), 16 chunks a task; on_rows(n) after each task
-    (a progress bar). Returns the number of blocks computed. Raises RuntimeError when a worker cannot reach
-    the store."""
+    (a progress bar). Returns the number of blocks computed and their tokens. Raises RuntimeError when a
+    worker cannot reach the store."""
     if not rows:
-        return 0
+        return 0, 0
     batches = [rows[i:i + 16] for i in range(0, len(rows), 16)]
     with probe(qa.store.path) as probe_path:
         pool = start_pool(ray, KVWorker, (type(qa), str(qa.store.path.resolve()), probe_path, qa.model_name,
                                           qa.weights, qa.kv_dtype, threads, qa.chat_template, qa.device), workers,
                           threads)
-        computed = 0
+        computed = tokens = 0
         try:
-            for i, n in pool.map_unordered(lambda actor, b: actor.encode.remote(b, attention), batches):
-                computed += n
+            for i, (n, t) in pool.map_unordered(lambda actor, b: actor.encode.remote(b, attention), batches):
+                computed, tokens = computed + n, tokens + t
                 if on_rows is not None:
                     on_rows(len(batches[i]))
         finally:
             pool.close()
-    return computed
+    return computed, tokens

@@ -237,13 +237,13 @@ def _groups(items: list, n: int):
         yield items[i:i + n]
 
 
-def progress_bar(items, on: bool, desc: str):
-    """A tqdm bar over `items` (updated by the caller), or None when off."""
+def progress_bar(items, on: bool, desc: str, unit: str = "file"):
+    """A tqdm bar over `items`, counted in `unit`s (updated by the caller), or None when off."""
     if not on:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=len(items), desc=desc, unit="file", file=sys.stderr)
+    return tqdm(total=len(items), desc=desc, unit=unit, file=sys.stderr)
 
 
 def _ms(t0: float) -> float:

@@ -191,6 +191,9 @@ def test_precompute_kv_fills_the_store_and_replacement_drops_blocks(tiny_qa, tmp
     kv = tiny_qa.precompute_kv([f.doc_id for f in report.files])
     assert kv["blocks"] == tiny_qa.store.n_chunks() == kv["computed"]
     assert tiny_qa.kv_store.stats.entries_on_disk == kv["blocks"]
+    # the tokens encoded and the bytes they take in the store (its own count of the tensor payload)
+    assert kv["tokens"] >= sum(r["n_tokens"] for r in tiny_qa.store.get_chunks(tiny_qa.store.chunk_ids()))
+    assert kv["bytes"] == tiny_qa.kv_store.stats.bytes_on_disk > 0
     ans = tiny_qa.ask("What is the maximum load of the chamber?", top_k=2, attention="block", debias="none")
     assert ans.timings["kv_hits"] == 2 and ans.timings["kv_misses"] == 0
     # block modes whose default anchor passages differ read blocks of their own: precomputed per mode

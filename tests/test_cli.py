@@ -144,6 +144,19 @@ def test_demo_prints_a_second_setting_beside_the_first(tmp_path, tiny_model_dir)
     assert "== the same questions" not in r.stdout and "attention block, debias calibrate+reorder;" in r.stdout
 
 
+def test_ingest_precompute_reports_seconds_and_disk_per_1k_tokens(tmp_path, tiny_model_dir):
+    from ldqa.app.cli import precompute_line
+
+    r = _ldqa("ingest", SAMPLE, "--store", tmp_path / "s", "--model", tiny_model_dir("gemma3"), "--precompute-kv")
+    assert r.returncode == 0, r.stderr
+    line = [x for x in r.stdout.splitlines() if x.startswith("KV blocks: ")]
+    assert len(line) == 1 and " computed, " in line[0] and "per 1K tokens" in line[0] and "MB of disk" in line[0]
+    kv = {"blocks": 24, "computed": 20, "tokens": 4000, "bytes": 76_000_000, "ms": 18_000.0}
+    assert precompute_line(kv) == ("24 (20 computed, 4,000 tokens, 76.0 MB) in 18.0 s; per 1K tokens 4.5 s and "
+                                   "19.0 MB of disk")
+    assert "per 1K" not in precompute_line(kv | {"computed": 0, "tokens": 0, "bytes": 0})  # all stored already
+
+
 def test_ingest_precompute_default_follows_the_default_attention(monkeypatch):
     from ldqa.app.cli import build_parser
     from ldqa.app.options import AnswerOptions
