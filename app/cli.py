@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "in block modes (default: "
                         + ("on, the default attention is a block mode" if precompute_kv_by_default()
                            else "off, the default attention is full")
-                        + "; it prints the seconds and MB of disk per 1K tokens: 28.7 MB with the default model)")
+                        + "; it prints the seconds and MB of disk per 1K tokens)")
     block_default = options.default("attention") if precompute_kv_by_default() else "block"
     p.add_argument("--precompute-attention", choices=("block", "block+recompute"), default=block_default,
                    help=f"the block mode whose KV blocks --precompute-kv stores (default: {block_default}; the two "

@@ -187,7 +187,8 @@ class AnswerOptions:
     anchor_passages: int | None = _opt(
         None, "block modes: encode every passage block after this many generic passages (ldqa's own filler "
               "text, not part of the prompt), so no block is stored as the list's first document (default: "
-              "3 in block, 0 in block+recompute: ldqa.attention.block_attention.DEFAULT_ANCHOR_PASSAGES)", int, low=0, high=len(ANCHOR_PASSAGES))
+              "3 in block, 0 in block+recompute: ldqa.attention.block_attention.DEFAULT_ANCHOR_PASSAGES)", int,
+        low=0, high=len(ANCHOR_PASSAGES))
     # --- retrieval attention (attention="retrieval"): `RetrievalConfig`'s fields, None = its default
     top_k_keys: int | str | None = _opt(
         None, "retrieval: keys retrieved per KV head per decode step (default 200; all: every key, exact)", int,

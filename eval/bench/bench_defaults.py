@@ -147,8 +147,8 @@ def run_session(args) -> dict:
                 pre = qa.precompute_kv(attention=attention)
                 kv = qa.kv_store.stats
                 result[pre_key] = {"blocks": pre["blocks"], "computed": pre["computed"], "ms": pre["ms"],
-                                        "kv_disk_bytes": _dir_bytes(qa.store.path / "kv"),
-                                        "kv_payload_bytes": kv.bytes_on_disk, "kv_entries": kv.entries_on_disk}
+                                   "kv_disk_bytes": _dir_bytes(qa.store.path / "kv"),
+                                   "kv_payload_bytes": kv.bytes_on_disk, "kv_entries": kv.entries_on_disk}
             else:
                 qa.precompute_kv(attention=attention)  # a resumed run: every block is stored already
             run["precompute"] = result[pre_key]
