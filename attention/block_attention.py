@@ -360,6 +360,52 @@ class BlockRuntime:
         return self._assemble(segments, chunk_ids, mode, recompute_ratio, extra_capacity, True, policy, headers,
                               select, scores)
 
+    def prefill_orders(self, orders: list, chunk_ids: list[list[int | None]], extra_capacity: int = 64,
+                       record: bool = False, headers: str = DEFAULT_HEADERS) -> list:
+        """Plain block mode's `prefill` of several prompts that hold the same passages in other orders
+        (position debiasing's two measurements: the given order and its reverse), with the question
+        computed for all of them in one pass: each prompt's cache is assembled from the stored blocks, the
+        caches are stacked as one batch (`KVCache.stack`) and the question runs once over it, so every
+        linear layer's weights are read once for all of them. Each result is what `prefill` in "block"
+        mode gives for that prompt, up to the GEMM's rounding on more rows.
+
+        orders: PromptSegments with the same question and the same length; chunk_ids: one list per
+        prompt; record: attach a `debias.DebiasKV` recording the question's queries. Prompts that cannot
+        share a pass (another question or length, fresh headers) are prefilled one by one. Returns per
+        prompt (cache of batch 1, logits of the last prompt token (1, 1, vocab), PrefillStats, recorded
+        queries: layer -> (hq, T, d), or None without `record`)."""
+        from ldqa.attention.debias import DebiasKV
+
+        scale = self.model.cfg.attn_scale
+        question = orders[0].question
+        if (len(orders) < 2 or headers != "cached"
+                or any(seg.question != question or len(seg) != len(orders[0]) for seg in orders)):
+            out = []
+            for seg, ids in zip(orders, chunk_ids):
+                rec = DebiasKV(n_record=len(seg.question), scale=scale) if record else None
+                cache, logits, stats = self.prefill(seg, ids, "block", 0.0, extra_capacity, rec, headers)
+                cache.policy = None
+                out.append((cache, logits, stats, rec.queries if rec else None))
+            return out
+        t0 = time.perf_counter()
+        built = [self._assemble(seg, ids, "block", 0.0, extra_capacity, False, None, headers)
+                 for seg, ids in zip(orders, chunk_ids)]
+        batch = KVCache.stack([cache for cache, _, _ in built])
+        length, n = batch.length, len(question)
+        rec = DebiasKV(n_record=n, scale=scale) if record else None
+        batch.policy = rec
+        int8 = self.recompute_gemm == "int8"
+        with prefill_gemm_as("int8") if int8 and _RANKING_ONLY.get() else int8_lead_rows(0):
+            logits = self.model(torch.tensor([question] * len(orders)), torch.arange(length, length + n), batch)
+        batch.policy = None
+        ms = (time.perf_counter() - t0) * 1000 / len(orders)  # the shared pass, split evenly
+        out = []
+        for b, (_, _, stats) in enumerate(built):
+            stats.tokens_computed += n
+            stats.assemble_ms = ms
+            out.append((batch.sequence(b), logits[b:b + 1], stats, rec.queries_of(b) if rec else None))
+        return out
+
     def assemble(self, segments, chunk_ids: list[int | None], mode: str = "block",
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, extra_capacity: int = 64,
                  headers: str = DEFAULT_HEADERS, select: str | tuple[int, ...] = DEFAULT_SELECT

@@ -227,7 +227,9 @@ def global_layers(cfg) -> list[int]:
 class DebiasKV:
     """Attention hook of the global layers (attach as `cache.policy`).
 
-    record: keep the queries of the last `n_record` tokens of each multi-token pass (the question);
+    record: keep the queries of the last `n_record` tokens of each multi-token pass (the question) in
+    `queries`, layer -> (hq, n_record, d), or (batch, hq, n_record, d) for a pass over several sequences
+    (`queries_of`);
     log_w: (L,) additive score bias per cache slot (log of the attention weight), or None = no change.
     The biased attention is exact softmax attention with causal masking by position, plus log_w.
     bias_from: None (every query is biased) or a position: only queries at that position or later (the
@@ -249,10 +251,11 @@ class DebiasKV:
     bias_from: int | None = None
 
     def forward(self, layer: int, q, k, v, q_pos, k_pos, slots):
-        """q: (1, hq, n, d); k, v: (1, hkv, L, d); q_pos (n,), k_pos (L,). Returns (1, hq, n, d) or None
+        """q: (b, hq, n, d); k, v: (b, hkv, L, d); q_pos (n,), k_pos (L,). Returns (b, hq, n, d) or None
         (None: the layer runs its normal attention)."""
         if self.n_record and q.shape[2] > 1:
-            self.queries[layer] = q[0, :, -self.n_record:].detach().float()  # (hq, n_record, d)
+            rec = q[:, :, -self.n_record:].detach().float()  # (b, hq, n_record, d)
+            self.queries[layer] = rec[0] if rec.shape[0] == 1 else rec
         if self.log_w is None:
             return None
         if self.bias_from is not None and int(q_pos[0]) < self.bias_from:
@@ -281,6 +284,9 @@ class DebiasKV:
         out = torch.einsum("bhgnl,bhld->bhgnd", p, v.float())  # (b, hkv, g, n, d)
         return out.reshape(b, hq, nq, d).to(q.dtype)
 
+    def queries_of(self, b: int) -> dict:
+        """The recorded queries of sequence `b` of the batch the pass ran: layer -> (hq, n_record, d)."""
+        return {layer: q if q.dim() == 3 else q[b] for layer, q in self.queries.items()}
 
     def decode_bias(self, length: int) -> torch.Tensor:
         """The additive score bias of the first `length` cache slots, (length,) float32 on the CPU: log_w
@@ -404,7 +410,7 @@ def sort_order(mass: torch.Tensor) -> list[int]:
 # ------------------------------------------------------------------------------------------ the recipe
 
 def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, measure, build, bias_curve,
-                     rebuild: bool = False, prompt=None):
+                     rebuild: bool = False, prompt=None, measure_orders=None):
     """Position debiasing of one question's context: measure, calibrate or sort, intervene.
 
     model: the Transformer (its attention scale; the question is recomputed through it); passages: in
@@ -419,6 +425,9 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     bias_from), instead of recomputing the question after it (block modes: one pass of the question
     fewer). Without it, and where the final context was built before (the reversed order, reused), the
     question is recomputed in place under the intervention.
+    measure_orders: None, or measure_orders([passages, reversed]) -> [(Context, mass), (Context, mass)],
+    the two orders' measurements with the question in one pass (block modes,
+    `BlockRuntime.prefill_orders`); with two orders the calibrate methods take it over two `measure` calls.
 
     Returns (Context ready to decode, passages in their final order, DebiasStats): debias_ms,
     debias_passes, passage_attention and reused_prefill_ms, and with the calibrate methods
@@ -430,11 +439,15 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
     t0 = time.perf_counter()
     passes = 1
     given = list(passages)
-    ctx, mass = measure(passages)
+    method = cfg.method
+    paired = None  # both orders' measurements from one pass
+    if measure_orders is not None and method != "sort" and cfg.orders == 2 and len(passages) > 1:
+        (ctx, mass), paired = measure_orders([passages, passages[::-1]])
+    else:
+        ctx, mass = measure(passages)
     first = ctx  # block modes: the build that met the store as the question found it
     reused = ctx.reused_prefill_ms
     out = DebiasStats()
-    method = cfg.method
 
     def build_final(ps, policy=None, scores=None):  # one more context build, counted
         nonlocal reused, passes
@@ -462,7 +475,7 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
         k, rctx, rev = len(passages), None, None
         form = cfg.calibration
         if cfg.orders == 2 and k > 1:  # also measure in the reversed order
-            rctx, mass_rev = measure(passages[::-1])
+            rctx, mass_rev = paired or measure(passages[::-1])
             reused += rctx.reused_prefill_ms
             passes += 1
             rel = two_order_relevance(mass, mass_rev, bias, form)

@@ -37,6 +37,10 @@ from ldqa.attention.debias import DebiasConfig, DebiasStats
 from ldqa.attention.kv_cache import CAPACITY_SLACK
 from ldqa.attention.retrieval_attention import RetrievalConfig
 
+# Block modes' two debiasing measurements (the given order and its reverse) share one pass of the question
+# over both caches as a batch (`BlockRuntime.prefill_orders`); False: a pass each (the bench's baseline)
+BATCH_ORDERS = True
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -230,13 +234,18 @@ class Engine:
                 with self.block_runtime.ranking_only() if cheap else nullcontext():
                     return self.measure(ps, build, measured, cfg.block, max_new)
 
+            def measure_orders(orders):  # block modes: the orders' questions in one pass
+                with self.block_runtime.ranking_only() if cheap else nullcontext():
+                    return self.measure_orders(orders, build, cfg.block, max_new)
+
             out.context, out.passages, out.stats = debiased_context(
                 model, passages, debias, max_new, measure=measure,
                 build=lambda ps, policy=None, scores=None: self.build_context(ps, build, mode, cfg.block, max_new,
                                                                              policy, scores=scores),
                 bias_curve=lambda k: self.bias_curve(k, measured, block_headers=cfg.block.headers,
                                                      anchor_passages=cfg.block.anchor_passages or 0), rebuild=cheap,
-                prompt=build if mode.startswith("block") else None)
+                prompt=build if mode.startswith("block") else None,
+                measure_orders=measure_orders if measured == "block" and BATCH_ORDERS else None)
         return out
 
     # ------------------------------------------------------------------------------ the pieces
@@ -282,6 +291,28 @@ class Engine:
         mass, ctx.token_mass = passage_mass(model, ctx.cache, queries, passage_spans(ctx.prompt),
                                             torch.arange(L - n_q, L), tokens=True)
         return ctx, mass
+
+    def measure_orders(self, orders: list[list], build, block: BlockConfig, max_new: int) -> list:
+        """`measure` in plain "block" mode of the same passages in several orders (position debiasing's
+        two measurements), the question computed once for all of them (`BlockRuntime.prefill_orders`):
+        one (Context, (k,) attention mass per slot) per order."""
+        from ldqa.attention.block_attention import DEFAULT_HEADERS
+        from ldqa.attention.debias import passage_mass
+        from ldqa.attention.segments import passage_spans
+
+        model = self.llm.model
+        prompts = [build(ps) for ps in orders]
+        built = self.block_runtime.prefill_orders(
+            prompts, [[getattr(p, "chunk_id", None) for p in ps] for ps in orders],
+            extra_capacity=max_new + CAPACITY_SLACK, record=True, headers=block.headers or DEFAULT_HEADERS)
+        out = []
+        for prompt, (cache, logits, stats, queries) in zip(prompts, built):
+            ctx = Context(prompt, cache, logits, stats)
+            L, n_q = cache.length, len(prompt.question)
+            mass, ctx.token_mass = passage_mass(model, cache, queries, passage_spans(prompt),
+                                                torch.arange(L - n_q, L), tokens=True)
+            out.append((ctx, mass))
+        return out
 
     def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
                    block_headers: str | None = None, theta_scale: float = 1.0, anchor_passages: int | None = None

@@ -133,6 +133,45 @@ class KVCache:
         c.policy, c.theta_scale = None, self.theta_scale
         return c
 
+    @classmethod
+    def stack(cls, caches: list["KVCache"]) -> "KVCache":
+        """One cache holding the sequences of `caches` as its batch (a copy, in their order): every cache
+        of batch 1, with the same length and positions (prompts that differ only in their passages' order,
+        each passage's block re-encoded to its slot), dtype, capacity and `theta_scale`; no policy attached.
+        Raises ValueError otherwise."""
+        first = caches[0]
+        for c in caches[1:]:
+            if (c.length != first.length or c.capacity != first.capacity or c._k[0].shape != first._k[0].shape
+                    or c._k[0].dtype != first._k[0].dtype or c.theta_scale != first.theta_scale
+                    or not torch.equal(c.positions, first.positions)):
+                raise ValueError("KVCache.stack: the caches differ in length, positions, capacity, shape, dtype "
+                                 "or RoPE base")
+        if first._k[0].shape[0] != 1:
+            raise ValueError(f"KVCache.stack: caches of batch 1 only, got batch {first._k[0].shape[0]}")
+        out = cls.__new__(cls)
+        out.num_layers, out.length, out._pending = first.num_layers, first.length, 0
+        layers = [[c._k[i] for c in caches] for i in range(first.num_layers)]
+        layers += [[c._v[i] for c in caches] for i in range(first.num_layers)]
+        shape = (len(caches), *first._k[0].shape[1:])
+        out._k, out._v = _storage([(shape, first._k[0].dtype)] * (2 * first.num_layers), first._k[0].device)
+        for dst, srcs in zip(out._k + out._v, layers):
+            for b, src in enumerate(srcs):
+                dst[b] = src[0]
+        out._pos = first._pos.clone()
+        out.policy, out.theta_scale = None, first.theta_scale
+        return out
+
+    def sequence(self, b: int) -> "KVCache":
+        """Sequence `b` of this batch as a cache of batch 1 that shares this one's storage (a view: no
+        copy; a write to either shows in both until one of them grows) and copies its positions; no
+        policy attached."""
+        out = KVCache.__new__(KVCache)
+        out.num_layers, out.length, out._pending = self.num_layers, self.length, 0
+        out._k, out._v = [t[b:b + 1] for t in self._k], [t[b:b + 1] for t in self._v]
+        out._pos = self._pos.clone()
+        out.policy, out.theta_scale = None, self.theta_scale
+        return out
+
     def truncate(self, length: int) -> None:
         """Forget every token after the first `length`."""
         self.length = min(self.length, length)

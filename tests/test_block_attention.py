@@ -393,6 +393,37 @@ def test_bad_selection_is_refused_by_name(lm):
     assert BlockConfig(None, None, "question").resolved("block").select is None
 
 
+def test_orders_prefilled_in_one_pass_equal_each_order_prefilled_alone(lm):
+    q = "How much lumber does the chamber hold?"
+    orders = [build_prompt(lm.tokenizer, ps, q) for ps in (PASSAGES, PASSAGES[::-1])]
+    assert orders[0].ids() != orders[1].ids() and len(orders[0]) == len(orders[1])
+    rt = BlockRuntime(lm.model, "fp")
+    refs = [rt.prefill(seg, [None] * 3, mode="block") for seg in orders]
+    calls = []
+    forward = lm.model.forward
+    lm.model.forward = lambda tokens, *a, **kw: calls.append(tokens.shape) or forward(tokens, *a, **kw)
+    try:
+        both = rt.prefill_orders(orders, [[None] * 3] * 2, record=True)
+    finally:
+        del lm.model.forward
+    n = len(orders[0].question)
+    assert (2, n) in calls and all(shape[0] == 2 or shape[1] != n for shape in calls)  # one pass, batch of 2
+    for seg, (cache, logits, stats, queries), (ref_cache, ref_logits, ref_stats) in zip(orders, both, refs):
+        assert cache.length == ref_cache.length == len(seg.ids()) and cache.keys(0).shape[0] == 1
+        assert stats.tokens_computed == ref_stats.tokens_computed > n  # the blocks encoded (no store), the question
+        assert stats.kv_misses == ref_stats.kv_misses == 3
+        assert (logits - ref_logits).abs().max().item() < 1e-4
+        for layer in range(lm.model.cfg.num_layers):
+            assert (cache.keys(layer) - ref_cache.keys(layer)).abs().max().item() < 1e-4
+        assert set(queries) and all(t.shape[-2:] == (n, lm.model.cfg.head_dim) and t.dim() == 3
+                                    for t in queries.values())
+    # prompts that cannot share a pass (another question) are prefilled one by one, with the same results
+    other = build_prompt(lm.tokenizer, PASSAGES[::-1], "Which bolt torque?")
+    alone = rt.prefill_orders([orders[0], other], [[None] * 3] * 2)
+    _, ref_logits, _ = rt.prefill(other, [None] * 3, mode="block")
+    assert alone[1][3] is None and (alone[1][1] - ref_logits).abs().max().item() < 1e-5
+
+
 def test_an_anchored_block_is_the_body_encoded_after_prefix_and_anchor_and_moved_to_its_slot(lm):
     from ldqa.attention.block_attention import PrefillStats
 

@@ -147,6 +147,29 @@ def test_bench_recompute_variants_take_anchor_passages():
     specs = split_variants("full,block,block/anchor=3,question@0.3/measured=1,anchor=2,question@0.3")
     assert specs == ["full", "block", "block/anchor=3", "question@0.3/measured=1,anchor=2", "question@0.3"]
     assert parse_variant("block/anchor=3") == {"attention": "block", "anchor_passages": 3}
+    assert parse_variant("block/anchor=2,measured=1") == {"attention": "block", "anchor_passages": 2, "measured": True}
+    assert parse_variant("block/measured=1") == {"attention": "block", "measured": True}
+    assert parse_variant("block/measured=1,batch_orders=0")["batch_orders"] is False
+    assert parse_variant("question@0.3/measured=1,batch_orders=0")["batch_orders"] is False
+    assert split_variants("full,block/measured=1,batch_orders=0,block/measured=1") == [
+        "full", "block/measured=1,batch_orders=0", "block/measured=1"]
     assert parse_variant("question@0.3/measured=1,anchor=2")["anchor_passages"] == 2
     with pytest.raises(ValueError, match="anchor=N"):
         parse_variant("block/anchor=x")
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(not (SHARED_DATA / "nq-open-oracle.jsonl.gz").exists(), reason="needs ../shared/data")
+def test_bench_recompute_ttft_part_times_each_variant_against_full(tmp_path, tiny_model_dir, capsys):
+    import json
+
+    from ldqa.eval.bench.bench_recompute import main
+
+    out = tmp_path / "o"
+    variants = ["full", "block/measured=1,batch_orders=0", "block/measured=1", "question@0.3/measured=1"]
+    assert main(["--part", "ttft", "--model", str(tiny_model_dir("qwen2")), "--n", "1", "--repeats", "1",
+                 "--passages", "3", "--variants", ",".join(variants), "--out", str(out)]) == 0
+    res = json.loads((out / "ttft-3.json").read_text())
+    assert list(res["median_ttft_ms"]) == variants and set(res["full_over_variant"]) == set(variants[1:])
+    assert all(t > 0 for t in res["median_ttft_ms"].values()) and res["median_prompt_tokens"] > 0
+    assert "| block/measured=1 |" in capsys.readouterr().out

@@ -484,6 +484,48 @@ def test_reused_exact_prefill_gives_the_same_answers(tiny_qa):
     assert other.timings["reused_prefill_ms"] == 0.0  # another prompt is computed
 
 
+def test_kv_caches_stack_into_a_batch_and_come_back_as_sequences():
+    from ldqa.attention.kv_cache import KVCache
+
+    def filled(value, positions=(0, 1, 2)):
+        c = KVCache(2, 1, 1, 4, capacity=4)
+        for layer in range(2):
+            c.write(layer, torch.full((1, 1, 3, 4), value + layer), torch.full((1, 1, 3, 4), -value),
+                    torch.tensor(positions))
+        c.advance(3)
+        return c
+
+    a, b = filled(1.0), filled(5.0)
+    batch = KVCache.stack([a, b])
+    assert batch.length == 3 and batch.keys(1).shape == (2, 1, 3, 4) and batch.policy is None
+    assert torch.equal(batch.keys(1)[1], b.keys(1)[0]) and torch.equal(batch.values(0)[0], a.values(0)[0])
+    one = batch.sequence(1)
+    assert one.keys(0).shape == (1, 1, 3, 4) and torch.equal(one.keys(1), b.keys(1))
+    assert torch.equal(one.positions, a.positions)
+    one.write(0, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), torch.tensor([3]))  # decoding on it
+    one.advance(1)
+    assert one.length == 4 and batch.length == 3 and torch.equal(batch.sequence(0).keys(0), a.keys(0))
+    for bad in (filled(2.0, (0, 1, 5)), KVCache(2, 1, 1, 4, capacity=8)):
+        with pytest.raises(ValueError, match="KVCache.stack"):
+            KVCache.stack([a, bad])
+
+
+def test_block_modes_measure_both_orders_with_one_question_pass(tiny_qa, monkeypatch):
+    rt = tiny_qa.engine.block_runtime
+    calls = []
+    orders = rt.prefill_orders
+    monkeypatch.setattr(rt, "prefill_orders", lambda o, *a, **kw: calls.append(len(o)) or orders(o, *a, **kw))
+    q = "What torque for the fan hub bolts?"
+    for mode in ("block", "block+recompute"):
+        calls.clear()
+        ans = tiny_qa.answer(q, PASSAGES, attention=mode, debias="calibrate+reorder")
+        assert calls == [2] and ans.timings["debias_passes"] >= 2 and "passage_attention_reversed" in ans.timings
+    calls.clear()
+    tiny_qa.answer(q, PASSAGES, attention="block", debias="calibrate", debias_orders=1)
+    tiny_qa.answer(q, PASSAGES, attention="block", debias="sort")
+    assert calls == []  # one order, or sort's rounds: measured one order at a time
+
+
 def test_kv_cache_clone_is_independent():
     from ldqa.attention.kv_cache import KVCache
 

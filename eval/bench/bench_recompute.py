@@ -6,7 +6,8 @@ answers of at most --max-new-tokens, best-subspan EM, no debiasing (the passages
 Variants (--variants, comma-separated):
   full                      exact attention over the whole prompt
   block                     stored passage blocks, only the question computed (after block mode's
-                            default anchor passages; block/anchor=N for another number)
+                            default anchor passages; block/anchor=N for another number; block/measured=1
+                            (--part ttft) answers with calibrate+reorder, as block mode does by default)
   SELECT@R                  block+recompute of the fraction R of the passage tokens chosen by SELECT
                             (`block_attention.SELECT_METHODS`: question, deviation, lead)
   question@R/K=V[,K=V]      the same with the selection's settings (`BlockRuntime`): layers=L ranks by
@@ -15,7 +16,8 @@ Variants (--variants, comma-separated):
                             chooses the first passage; measured=1 (--part kl) ranks by the question's
                             attention measured over the plain block cache in two other orders (a seeded
                             shuffle and its reverse), as block+recompute does under calibrate+reorder
-                            (--part ttft: the answer runs with calibrate+reorder);
+                            (--part ttft: the answer runs with calibrate+reorder; batch_orders=0
+                            measures the two orders in a pass each, not in one batched pass);
                             taper=J:T recomputes only the best T share from layer J on (gradual filtering,
                             `BlockRuntime.taper`); causal_group=G: the recompute pass's global
                             attention in groups of G queries (`model.CAUSAL_GROUP`; 100000: one group);
@@ -58,10 +60,20 @@ def parse_variant(spec: str) -> dict:
 
     if spec in ("full", "block"):
         return {"attention": spec}
-    if spec.startswith("block/anchor="):
-        n = spec.partition("=")[2]
-        if n.isdigit():
-            return {"attention": "block", "anchor_passages": int(n)}
+    if spec.startswith("block/"):  # block/anchor=N,measured=0|1
+        kw = {"attention": "block"}
+        for item in spec.partition("/")[2].split(","):
+            k, _, v = item.partition("=")
+            if k == "anchor" and v.isdigit():
+                kw["anchor_passages"] = int(v)
+            elif k == "measured" and v in ("0", "1"):
+                kw["measured"] = v == "1"
+            elif k == "batch_orders" and v in ("0", "1"):
+                kw["batch_orders"] = v == "1"
+            else:
+                break
+        else:
+            return kw
     if spec == "oracle":
         return {"attention": "block+recompute", "recompute_select": "oracle"}
     from ldqa.attention.block_attention import SELECT_SCORES
@@ -81,6 +93,8 @@ def parse_variant(spec: str) -> dict:
                 settings["select_skip_first"] = v == "1"
             elif k == "measured" and v in ("0", "1"):
                 settings["measured"] = v == "1"
+            elif k == "batch_orders" and v in ("0", "1"):
+                settings["batch_orders"] = v == "1"
             elif k == "causal_group" and int(v) >= 1:
                 settings["causal_group"] = int(v)
             elif k == "gemm" and v in ("bf16", "int8"):
@@ -100,8 +114,8 @@ def parse_variant(spec: str) -> dict:
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
-                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,taper=J:T,causal_group=G,gemm=bf16|int8,"
-                     "anchor=N, or block/anchor=N")
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,batch_orders=0|1,taper=J:T,"
+                     "causal_group=G,gemm=bf16|int8,anchor=N, or block/anchor=N,measured=0|1,batch_orders=0|1")
 
 
 def split_variants(text: str) -> list[str]:
@@ -122,19 +136,22 @@ SELECTION = ("select_layers", "select_window", "select_score", "select_skip_firs
 def selection(qa, kw: dict):
     """A variant's selection settings (the `SELECTION` keys of `kw`, popped) on the block runtime of `qa`
     for the `with` block, restored after."""
-    from ldqa.attention import model
+    from ldqa.attention import engine, model
 
     rt = qa.engine.block_runtime
     new = {k: kw.pop(k) for k in SELECTION if k in kw}
     group = kw.pop("causal_group", model.CAUSAL_GROUP)
+    batch = kw.pop("batch_orders", engine.BATCH_ORDERS)
     before = {k: getattr(rt, k) for k in new}
     for k, v in new.items():
         setattr(rt, k, v)
     model.CAUSAL_GROUP, group = group, model.CAUSAL_GROUP
+    engine.BATCH_ORDERS, batch = batch, engine.BATCH_ORDERS
     try:
         yield
     finally:
         model.CAUSAL_GROUP = group
+        engine.BATCH_ORDERS = batch
         for k, v in before.items():
             setattr(rt, k, v)
 
@@ -381,6 +398,8 @@ def main(argv=None) -> int:
         raise SystemExit("--variants must include full (every variant is paired with it)")
     if args.part == "accuracy" and any(parse_variant(v).get("measured") for v in variants):
         raise SystemExit("measured=1 is a setting of --part kl and --part ttft only")
+    if args.part == "kl" and any(v.startswith("block/") and parse_variant(v).get("measured") for v in variants):
+        raise SystemExit("block/measured=1 is a setting of --part ttft only")
     positions = [int(p) for p in args.positions.split(",")]
     if args.part == "accuracy" and any(not 1 <= p <= args.passages for p in positions):
         raise SystemExit(f"--positions {args.positions}: each must be in 1..{args.passages}")
