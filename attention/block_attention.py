@@ -394,8 +394,7 @@ class BlockRuntime:
         length, n = batch.length, len(question)
         rec = DebiasKV(n_record=n, scale=scale) if record else None
         batch.policy = rec
-        int8 = self.recompute_gemm == "int8"
-        with prefill_gemm_as("int8") if int8 and _RANKING_ONLY.get() else int8_lead_rows(0):
+        with self._gemm(0):
             logits = self.model(torch.tensor([question] * len(orders)), torch.arange(length, length + n), batch)
         batch.policy = None
         ms = (time.perf_counter() - t0) * 1000 / len(orders)  # the shared pass, split evenly
@@ -504,14 +503,21 @@ class BlockRuntime:
         # block+recompute under the int8 recompute GEMM: the recomputed passage tokens (every fresh slot before
         # the question) in int8, the question in bf16 (not with gradual filtering, whose passes are subsets);
         # a pass that only ranks (`ranking_only`) wholly in int8
-        int8 = self.recompute_gemm == "int8"
         lead = (sum(1 for i in fresh if i < len(slot_ids) - (len(segments.question) if with_question else 0))
-                if mode == "block+recompute" and int8 and taper is None else 0)
-        with prefill_gemm_as("int8") if int8 and _RANKING_ONLY.get() else int8_lead_rows(lead):
+                if mode == "block+recompute" and self.recompute_gemm == "int8" and taper is None else 0)
+        with self._gemm(lead):
             logits = self._recompute(cache, slot_ids, fresh, taper=taper) if fresh else None
         stats.tokens_computed += len(fresh)
         stats.assemble_ms = (time.perf_counter() - t0) * 1000
         return cache, logits, stats
+
+    def _gemm(self, lead: int):
+        """The GEMM of an assembly's computed rows: a pass that only ranks (`ranking_only`) wholly in int8
+        under the int8 `recompute_gemm`, else the first `lead` rows in int8 and the rest in bf16
+        (`quant.int8_lead_rows`; 0: as the model's prefill)."""
+        if self.recompute_gemm == "int8" and _RANKING_ONLY.get():
+            return prefill_gemm_as("int8")
+        return int8_lead_rows(lead)
 
     def _recompute(self, cache: KVCache, slot_ids: list[int], slots: list[int],
                    n_layers: int | None = None, taper: tuple[int, set] | None = None) -> torch.Tensor:

@@ -274,8 +274,7 @@ class Engine:
     def measure(self, passages: list, build, mode: str, block: BlockConfig, max_new: int, theta_scale: float = 1.0):
         """Build the context with the question's queries recorded: (Context, (k,) attention mass from the
         question to each passage, `debias.passage_mass`)."""
-        from ldqa.attention.debias import DebiasKV, passage_mass
-        from ldqa.attention.segments import passage_spans
+        from ldqa.attention.debias import DebiasKV
 
         model = self.llm.model
         n_q = len(build(passages[:1]).question)
@@ -287,32 +286,20 @@ class Engine:
             ctx = self.build_context(passages, build, mode, block, max_new, rec)
             ctx.cache.policy = None
             queries = rec.queries
-        L = ctx.cache.length
-        mass, ctx.token_mass = passage_mass(model, ctx.cache, queries, passage_spans(ctx.prompt),
-                                            torch.arange(L - n_q, L), tokens=True)
-        return ctx, mass
+        return ctx, _measured(model, ctx, queries)
 
     def measure_orders(self, orders: list[list], build, block: BlockConfig, max_new: int) -> list:
         """`measure` in plain "block" mode of the same passages in several orders (position debiasing's
         two measurements), the question computed once for all of them (`BlockRuntime.prefill_orders`):
         one (Context, (k,) attention mass per slot) per order."""
         from ldqa.attention.block_attention import DEFAULT_HEADERS
-        from ldqa.attention.debias import passage_mass
-        from ldqa.attention.segments import passage_spans
 
-        model = self.llm.model
         prompts = [build(ps) for ps in orders]
         built = self.block_runtime.prefill_orders(
             prompts, [[getattr(p, "chunk_id", None) for p in ps] for ps in orders],
             extra_capacity=max_new + CAPACITY_SLACK, record=True, headers=block.headers or DEFAULT_HEADERS)
-        out = []
-        for prompt, (cache, logits, stats, queries) in zip(prompts, built):
-            ctx = Context(prompt, cache, logits, stats)
-            L, n_q = cache.length, len(prompt.question)
-            mass, ctx.token_mass = passage_mass(model, cache, queries, passage_spans(prompt),
-                                                torch.arange(L - n_q, L), tokens=True)
-            out.append((ctx, mass))
-        return out
+        ctxs = [Context(prompt, cache, logits, stats) for prompt, (cache, logits, stats, _) in zip(prompts, built)]
+        return [(ctx, _measured(self.llm.model, ctx, queries)) for ctx, (*_, queries) in zip(ctxs, built)]
 
     def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
                    block_headers: str | None = None, theta_scale: float = 1.0, anchor_passages: int | None = None
@@ -377,3 +364,15 @@ class Engine:
 
 
 __all__ = ["ATTENTION_MODES", "AttentionConfig", "Engine", "EngineContext", "Context", "PrefillMemo", "Calibration"]
+
+
+def _measured(model, ctx: Context, queries: dict) -> torch.Tensor:
+    """The question's attention mass per passage of `ctx` (k,) from its recorded `queries` (the question
+    is the prompt's last tokens in the cache); sets `ctx.token_mass`, the same per cache slot."""
+    from ldqa.attention.debias import passage_mass
+    from ldqa.attention.segments import passage_spans
+
+    L, n_q = ctx.cache.length, len(ctx.prompt.question)
+    mass, ctx.token_mass = passage_mass(model, ctx.cache, queries, passage_spans(ctx.prompt),
+                                        torch.arange(L - n_q, L), tokens=True)
+    return mass

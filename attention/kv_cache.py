@@ -150,13 +150,10 @@ class KVCache:
             raise ValueError(f"KVCache.stack: caches of batch 1 only, got batch {first._k[0].shape[0]}")
         out = cls.__new__(cls)
         out.num_layers, out.length, out._pending = first.num_layers, first.length, 0
-        layers = [[c._k[i] for c in caches] for i in range(first.num_layers)]
-        layers += [[c._v[i] for c in caches] for i in range(first.num_layers)]
         shape = (len(caches), *first._k[0].shape[1:])
         out._k, out._v = _storage([(shape, first._k[0].dtype)] * (2 * first.num_layers), first._k[0].device)
-        for dst, srcs in zip(out._k + out._v, layers):
-            for b, src in enumerate(srcs):
-                dst[b] = src[0]
+        for dst, srcs in zip(out._k + out._v, zip(*(c._k + c._v for c in caches))):
+            torch.cat(srcs, out=dst)
         out._pos = first._pos.clone()
         out.policy, out.theta_scale = None, first.theta_scale
         return out
