@@ -172,4 +172,32 @@ def test_bench_recompute_ttft_part_times_each_variant_against_full(tmp_path, tin
     res = json.loads((out / "ttft-3.json").read_text())
     assert list(res["median_ttft_ms"]) == variants and set(res["full_over_variant"]) == set(variants[1:])
     assert all(t > 0 for t in res["median_ttft_ms"].values()) and res["median_prompt_tokens"] > 0
+    assert res["timed_runs_encoding"] == 0  # block+recompute's blocks (no anchor passages) stored before timing
     assert "| block/measured=1 |" in capsys.readouterr().out
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(not (SHARED_DATA / "nq-open-oracle.jsonl.gz").exists(), reason="needs ../shared/data")
+def test_bench_recompute_ttft_part_decodes_the_asked_tokens(tmp_path, tiny_model_dir, monkeypatch):
+    """--decode-tokens N: every answer of the ttft part (the warm-up ones too) generates up to N tokens, so
+    the decode thread governor sees steps as in an app; 0 is refused."""
+    import json
+
+    from ldqa.app.api import LongDocQA
+    from ldqa.eval.bench.bench_recompute import main
+
+    asked = []
+    real = LongDocQA.answer
+
+    def spy(self, *a, **kw):
+        asked.append(kw.get("max_new_tokens"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(LongDocQA, "answer", spy)
+    out = tmp_path / "o"
+    assert main(["--part", "ttft", "--model", str(tiny_model_dir("qwen2")), "--n", "1", "--repeats", "1",
+                 "--passages", "3", "--decode-tokens", "3", "--variants", "full,block", "--out", str(out)]) == 0
+    assert asked and set(asked) == {3}
+    assert json.loads((out / "ttft-3.json").read_text())["decode_tokens"] == 3
+    with pytest.raises(SystemExit, match="--decode-tokens 0"):
+        main(["--part", "ttft", "--decode-tokens", "0", "--out", str(out)])

@@ -33,6 +33,7 @@ OUT/rows.jsonl; the summary in OUT/summary.json and as a Markdown table on stdou
 
     OMP_NUM_THREADS=1 python -m ldqa.eval.bench.bench_recompute --model gemma3-270m --n 40 --out out/recompute-gemma
     python -m ldqa.eval.bench.bench_recompute --part ttft --passages 5 --n 5 --out out/recompute-ttft
+    python -m ldqa.eval.bench.bench_recompute --part ttft --decode-tokens 8 ...   # as an app on a busy machine
 """
 
 from __future__ import annotations
@@ -245,34 +246,43 @@ def markdown(summary: dict, positions) -> str:
     return "\n".join(lines)
 
 
-def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: int) -> dict:
+def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: int, decode_tokens: int = 1) -> dict:
     """Warm TTFT (ms) of each variant over the same prompts: the first len(idx) questions, gold passage
-    first among `n_passages`, `repeats` times each (the passages' blocks stored first; full attention's
-    memo of exact prefills cleared before each of its runs). Returns per variant the median TTFT and
-    full's median over it (the speed-up), and the prompt tokens."""
+    first among `n_passages`, `repeats` times each. Every variant but full attention answers each question
+    once untimed first, so its passage blocks (keyed by its anchor passages) are stored and its bias curve
+    fitted before it is timed; full attention's memo of exact prefills is cleared before each of its runs.
+    Each answer generates at most `decode_tokens` tokens: 1 times the first token alone; more lets the
+    decode thread governor (`threads.DecodeThreads`) measure its steps, so later prefills run on the count
+    it chose, as in an app that answers in full. Returns per variant the median TTFT and full's median
+    over it (the speed-up), the prompt tokens, and how many timed answers encoded a block (0 when every
+    time is warm)."""
     from ldqa.app.api import Passage
 
+    def run(spec, question, ps):
+        kw = parse_variant(spec)
+        if kw.get("recompute_select") == "oracle":
+            kw["recompute_select"] = (1,)
+        if spec == "full":
+            qa.engine.clear_memo()
+        debias = "calibrate+reorder" if kw.pop("measured", False) else "none"
+        return answer(qa, question, ps, max_new_tokens=decode_tokens, debias=debias, **kw).timings
+
     times = {v: [] for v in variants}
-    tokens = []
+    tokens, cold = [], 0
     for i in idx:
         ex = multidoc_example(records, i, n_passages, 1, seed)
         ps = [Passage(p["title"], p["text"]) for p in ex["passages"]]
-        qa.answer(ex["question"], ps, attention="block", max_new_tokens=1, debias="none")
-        if any(parse_variant(v).get("measured") for v in variants):  # the bias curve fitted before timing
-            qa.answer(ex["question"], ps, attention="block", max_new_tokens=1, debias="calibrate+reorder")
+        for spec in variants:
+            if spec != "full":
+                run(spec, ex["question"], ps)  # stores the blocks, fits the curve: not timed
         for _ in range(repeats):
             for spec in variants:
-                kw = parse_variant(spec)
-                if kw.get("recompute_select") == "oracle":
-                    kw["recompute_select"] = (1,)
-                if spec == "full":
-                    qa.engine.clear_memo()
-                debias = "calibrate+reorder" if kw.pop("measured", False) else "none"
-                t = answer(qa, ex["question"], ps, max_new_tokens=1, debias=debias, **kw).timings
+                t = run(spec, ex["question"], ps)
                 times[spec].append(t["ttft_ms"])
+                cold += bool(t.to_dict().get("encode_ms"))
         tokens.append(t["prompt_tokens"])
     med = {v: statistics.median(x) for v, x in times.items()}
-    return {"passages": n_passages, "questions": len(idx), "repeats": repeats,
+    return {"passages": n_passages, "questions": len(idx), "repeats": repeats, "timed_runs_encoding": cold,
             "median_prompt_tokens": statistics.median(tokens), "median_ttft_ms": med,
             "full_over_variant": {v: med["full"] / m for v, m in med.items() if v != "full"}}
 
@@ -390,6 +400,9 @@ def main(argv=None) -> int:
                          "the accuracy part's), gold at 1, 5, 10 in turn")
     ap.add_argument("--new-tokens", type=int, default=8, help="kl: answer tokens teacher-forced")
     ap.add_argument("--repeats", type=int, default=3, help="ttft: runs of each variant per question")
+    ap.add_argument("--decode-tokens", type=int, default=1,
+                    help="ttft: tokens each answer generates (1: the first only; more lets the decode thread "
+                         "governor choose the count later prefills run on, as an app answering in full does)")
     args = ap.parse_args(argv)
     variants = split_variants(args.variants)
     for v in variants:
@@ -400,6 +413,8 @@ def main(argv=None) -> int:
         raise SystemExit("measured=1 is a setting of --part kl and --part ttft only")
     if args.part == "kl" and any(v.startswith("block/") and parse_variant(v).get("measured") for v in variants):
         raise SystemExit("block/measured=1 is a setting of --part ttft only")
+    if args.decode_tokens < 1:
+        raise SystemExit(f"--decode-tokens {args.decode_tokens}: use 1 or more")
     positions = [int(p) for p in args.positions.split(",")]
     if args.part == "accuracy" and any(not 1 <= p <= args.passages for p in positions):
         raise SystemExit(f"--positions {args.positions}: each must be in 1..{args.passages}")
@@ -430,7 +445,8 @@ def main(argv=None) -> int:
     if args.part == "ttft":
         qa.warm_up()
         res = {"model": qa.model_name, "weights": qa.weights, "threads": __import__("torch").get_num_threads(),
-               **ttft_part(qa, records, idx, variants, args.passages, args.seed, args.repeats)}
+               "decode_tokens": args.decode_tokens,
+               **ttft_part(qa, records, idx, variants, args.passages, args.seed, args.repeats, args.decode_tokens)}
         (args.out / f"ttft-{args.passages}.json").write_text(json.dumps(res, indent=1))
         print("| variant | TTFT median | full / variant |\n|---|---|---|")
         for v, m in res["median_ttft_ms"].items():
