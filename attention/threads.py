@@ -144,18 +144,32 @@ def reset() -> None:
         _state.clear()
 
 
-PROBE_MIN_ROWS = 64  # a layer call over fewer tokens is too short to time reliably: not probed
+# A layer call of fewer multiply-accumulates (its rows times its weights) is too short to time reliably and
+# is not probed: 64 rows of Gemma 3 270M (5.6M weights per layer), 8 of Qwen2.5-Coder-1.5B (47M), so a block
+# mode's question pass (~25 rows) is probed on a large model
+PROBE_MIN_MACS = 3.5e8
 PROBE_PAIRS = 2  # layer pairs (one on all cores, the next on one thread) a first prefill probes
+
+
+def layer_weights(layer) -> int:
+    """The weights a call of decoder `layer` multiplies each row by: the sum of in_features x out_features over
+    its linear modules (nn.Linear and the quantized layers alike; 0 when it has none)."""
+    return sum(m.in_features * m.out_features for m in layer.modules()
+               if isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int))
 
 
 class prefill_on:
     """Context manager around an answer's prefill (the prompt, or Block-Attention's passage blocks and
     question): on the count the decode governor `threads` last chose (`DecodeThreads.prefill_count`) once
     it has measured both counts; before that (a process's first answer), when `model` is given, the
-    prefill probes for itself: its first `PROBE_PAIRS` pairs of same-kind layer calls over at least
-    `PROBE_MIN_ROWS` tokens run one on all cores and the next on one thread, timed, and the rest of the
-    prefill runs on the count whose fastest layer was faster (`self.chosen`). A fixed decode count or None
-    (the user's count): torch's count as it is. torch's count is restored after.
+    prefill probes for itself: its first `PROBE_PAIRS` pairs of same-kind layer calls of at least
+    `PROBE_MIN_MACS` multiply-accumulates (rows x `layer_weights`) run one on all cores and the next on one
+    thread, timed, and the rest of the prefill runs on the count whose fastest layer was faster
+    (`self.chosen`). Block modes' passes of the question alone are probed where the model is large enough:
+    a fresh `ldqa ask --attention block` on the default model beside a two-thread job had its first token
+    after 23-25 s against 30-39 s with those passes left on two threads (full attention: 42-48 s), the same
+    9 s on an idle machine (docs/results.md). A fixed decode count or None (the user's count): torch's count
+    as it is. torch's count is restored after.
 
     Why: a prefill's few long GEMMs suffer from a descheduled thread as decode's short regions do, if less:
     Gemma 3 270M gguf, 1,416 tokens, 2.1 s on two threads against 3.4 s on one on an idle machine, 6.0 s
@@ -180,14 +194,15 @@ class prefill_on:
         if self.model is not None:
             kinds = self.model.cfg.layer_types or ["full"] * len(self.model.model.layers)
             for i, layer in enumerate(self.model.model.layers):
-                self._hooks.append(layer.register_forward_pre_hook(self._pre(kinds[i])))
+                self._hooks.append(layer.register_forward_pre_hook(self._pre(kinds[i], layer_weights(layer))))
                 self._hooks.append(layer.register_forward_hook(self._post))
         return self
 
-    def _pre(self, kind: str):
+    def _pre(self, kind: str, weights: int):
         def hook(module, args):
             self._timing = None
-            if self.chosen is not None or args[0].shape[1] < PROBE_MIN_ROWS:
+            rows = args[0].shape[0] * args[0].shape[1]  # (batch, tokens, hidden): a batch of orders counts whole
+            if self.chosen is not None or rows * weights < PROBE_MIN_MACS:
                 return
             done = sum(len(v) for (k, _), v in self.layer_ms.items() if k == kind)
             n = self.most if done % 2 == 0 else 1  # a pair: all cores, then one thread

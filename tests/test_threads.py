@@ -128,6 +128,10 @@ def test_answers_do_not_depend_on_the_thread_count(weights, monkeypatch):
         with T.prefill_on(T.DecodeThreads(2), lm.model) as probe:  # a first answer's prefill: layers on 2, 1, 2, 1
             prefills.append(start_generation(lm.model, ids * 8, lm.tokenizer.decode, [], SamplingConfig()).first_logits)
         assert len(probe.layer_ms) == 2 and probe.chosen in (1, 2)
+        c = lm.model.cfg  # the quantized layers count as their matrices do
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        assert T.layer_weights(lm.model.model.layers[0]) == \
+            c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
         assert torch.equal(prefills[0], prefills[1]) and torch.equal(prefills[0], prefills[2])
         torch.set_num_threads(before)
         toks1, logits1 = tokens_and_logits(1)
@@ -192,11 +196,13 @@ def test_the_app_s_prefill_follows_the_governor(tiny_model_dir, tmp_path, monkey
 
 
 class _ClockLayer(torch.nn.Module):
-    """A stand-in decoder layer whose call advances a fake clock by cost(torch's thread count) ms."""
+    """A stand-in decoder layer whose call advances a fake clock by cost(torch's thread count) ms; it counts
+    as `weights` weights per row (`threads.layer_weights`)."""
 
-    def __init__(self, clock, cost):
+    def __init__(self, clock, cost, weights: int = 5_600_000):
         super().__init__()
         self.clock, self.cost = clock, cost
+        self.in_features, self.out_features = 1000, weights // 1000
 
     def forward(self, x):
         self.clock[0] += self.cost(torch.get_num_threads()) / 1e3
@@ -217,10 +223,11 @@ def test_a_first_prefill_probes_layer_pairs_and_keeps_the_faster_count(busy, mon
                             model=SimpleNamespace(layers=layers))
     gov = T.DecodeThreads(most)  # nothing measured yet: a process's first answer
     used = []
+    rows = -(-int(T.PROBE_MIN_MACS) // T.layer_weights(layers[0]))  # the fewest rows worth timing: 63
     try:
         with T.prefill_on(gov, model) as p:
             for layer in layers:
-                layer(torch.zeros(1, T.PROBE_MIN_ROWS, 4))
+                layer(torch.zeros(1, rows, 4))
                 used.append(torch.get_num_threads())
             assert p.chosen == (1 if busy else most)
             layer(torch.zeros(1, 8, 4))  # later calls: no hooks left
@@ -231,10 +238,39 @@ def test_a_first_prefill_probes_layer_pairs_and_keeps_the_faster_count(busy, mon
         assert used[4:] == [p.chosen] * 4 and all(not layer._forward_pre_hooks for layer in layers)
         # a short prefill (the question alone) is not probed; a governor that has measured is followed
         with T.prefill_on(T.DecodeThreads(most), model) as q:
-            layers[0](torch.zeros(1, T.PROBE_MIN_ROWS - 1, 4))
+            layers[0](torch.zeros(1, rows - 1, 4))
             assert q.chosen is None and not q.layer_ms and torch.get_num_threads() == before
         _run(gov, lambda n: 0.250 if n == most else 0.025, 8)
         with T.prefill_on(gov, model) as r:
             assert torch.get_num_threads() == 1 and r.model is None  # the governor's choice, no probe
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_short_passes_of_a_large_model_are_probed_and_a_batch_counts_whole(monkeypatch):
+    """The probe's threshold is work, not rows: the question's ~25 rows through a layer of 47M weights (Qwen2.5
+    1.5B's) are timed, through one of 5.6M (Gemma 3 270M's) they are not, unless a batch of orders makes the
+    call large enough (rows = batch x tokens)."""
+    from types import SimpleNamespace
+
+    before = torch.get_num_threads()
+    most = before + 1
+    clock = [0.0]
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
+
+    def probed(weights, shape):
+        layers = torch.nn.ModuleList(_ClockLayer(clock, lambda n: 300.0 if n == most else 170.0, weights)
+                                     for _ in range(4))
+        model = SimpleNamespace(cfg=SimpleNamespace(layer_types=None), model=SimpleNamespace(layers=layers))
+        with T.prefill_on(T.DecodeThreads(most), model) as p:
+            for layer in layers:
+                layer(torch.zeros(*shape, 4))
+        return p.chosen
+
+    try:
+        assert probed(47_000_000, (1, 25)) == 1  # a busy core found within the question's own pass
+        assert probed(5_600_000, (1, 25)) is None
+        assert probed(5_600_000, (2, 40)) == 1  # 80 rows
+        assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
