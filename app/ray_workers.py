@@ -69,7 +69,7 @@ def add_arguments(p) -> None:
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="run on Ray: '--ray local' (or --ray last on the line), a new local Ray instance; with "
                         f"an address ('auto', 'ray://host:10001'), that cluster (needs {EXTRA_HINT}). --ray takes "
-                        "the next word as its address: put it after the paths and the benchmark name")
+                        "the next word as its address: put it after the positional arguments (paths, a benchmark name)")
     p.add_argument("--workers", type=int, default=None,
                    help="--ray: worker actors (default: one per CPU slot Ray reports, divided by --threads-per-worker)")
     p.add_argument("--threads-per-worker", type=int, default=1, help="--ray: torch threads (and Ray CPUs) per worker")
