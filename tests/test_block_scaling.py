@@ -180,7 +180,7 @@ def test_bench_recompute_ttft_part_times_each_variant_against_full(tmp_path, tin
 @pytest.mark.skipif(not (SHARED_DATA / "nq-open-oracle.jsonl.gz").exists(), reason="needs ../shared/data")
 def test_bench_recompute_ttft_part_decodes_the_asked_tokens(tmp_path, tiny_model_dir, monkeypatch):
     """--decode-tokens N: every answer of the ttft part (the warm-up ones too) generates up to N tokens, so
-    the decode thread governor sees steps as in an app; 0 is refused."""
+    the decode thread governor sees steps as in an app; 0 is refused. --profile lists each variant's ops."""
     import json
 
     from ldqa.app.api import LongDocQA
@@ -196,8 +196,13 @@ def test_bench_recompute_ttft_part_decodes_the_asked_tokens(tmp_path, tiny_model
     monkeypatch.setattr(LongDocQA, "answer", spy)
     out = tmp_path / "o"
     assert main(["--part", "ttft", "--model", str(tiny_model_dir("qwen2")), "--n", "1", "--repeats", "1",
-                 "--passages", "3", "--decode-tokens", "3", "--variants", "full,block", "--out", str(out)]) == 0
+                 "--passages", "3", "--decode-tokens", "3", "--variants", "full,block", "--out", str(out),
+                 "--profile"]) == 0
     assert asked and set(asked) == {3}
-    assert json.loads((out / "ttft-3.json").read_text())["decode_tokens"] == 3
+    res = json.loads((out / "ttft-3.json").read_text())
+    assert res["decode_tokens"] == 3
+    # --profile: each variant's costliest ops; a block answer multiplies matrices too
+    assert set(res["profile"]) == {"full", "block"} and all(res["profile"].values())
+    assert any("mm" in op or "linear" in op for op in res["profile"]["block"])
     with pytest.raises(SystemExit, match="--decode-tokens 0"):
         main(["--part", "ttft", "--decode-tokens", "0", "--out", str(out)])

@@ -246,7 +246,8 @@ def markdown(summary: dict, positions) -> str:
     return "\n".join(lines)
 
 
-def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: int, decode_tokens: int = 1) -> dict:
+def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: int, decode_tokens: int = 1,
+              profile: bool = False) -> dict:
     """Warm TTFT (ms) of each variant over the same prompts: the first len(idx) questions, gold passage
     first among `n_passages`, `repeats` times each. Every variant but full attention answers each question
     once untimed first, so its passage blocks (keyed by its anchor passages) are stored and its bias curve
@@ -255,7 +256,8 @@ def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: i
     decode thread governor (`threads.DecodeThreads`) measure its steps, so later prefills run on the count
     it chose, as in an app that answers in full. Returns per variant the median TTFT and full's median
     over it (the speed-up), the prompt tokens, and how many timed answers encoded a block (0 when every
-    time is warm)."""
+    time is warm). profile: each variant answers the last question once more under `torch.profiler`, and
+    "profile" gives per variant the ops with the most self CPU time (ms), untimed otherwise."""
     from ldqa.app.api import Passage
 
     def run(spec, question, ps):
@@ -282,9 +284,22 @@ def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: i
                 cold += bool(t.to_dict().get("encode_ms"))
         tokens.append(t["prompt_tokens"])
     med = {v: statistics.median(x) for v, x in times.items()}
-    return {"passages": n_passages, "questions": len(idx), "repeats": repeats, "timed_runs_encoding": cold,
-            "median_prompt_tokens": statistics.median(tokens), "median_ttft_ms": med,
-            "full_over_variant": {v: med["full"] / m for v, m in med.items() if v != "full"}}
+    res = {"passages": n_passages, "questions": len(idx), "repeats": repeats, "timed_runs_encoding": cold,
+           "median_prompt_tokens": statistics.median(tokens), "median_ttft_ms": med,
+           "full_over_variant": {v: med["full"] / m for v, m in med.items() if v != "full"}}
+    if profile:
+        import torch
+
+        res["profile"] = {}
+        for spec in variants:
+            with torch.profiler.profile() as prof:
+                run(spec, ex["question"], ps)
+            ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:PROFILE_OPS]
+            res["profile"][spec] = {e.key: round(e.self_cpu_time_total / 1000, 1) for e in ops}
+    return res
+
+
+PROFILE_OPS = 8  # ops listed per variant by --profile
 
 
 def measured(qa, ps: list, question: str, chat, rng: random.Random, anchor: list[int] = ()) -> list:
@@ -400,6 +415,8 @@ def main(argv=None) -> int:
                          "the accuracy part's), gold at 1, 5, 10 in turn")
     ap.add_argument("--new-tokens", type=int, default=8, help="kl: answer tokens teacher-forced")
     ap.add_argument("--repeats", type=int, default=3, help="ttft: runs of each variant per question")
+    ap.add_argument("--profile", action="store_true",
+                    help="ttft: profile one more answer of each variant (torch.profiler) and list its costliest ops")
     ap.add_argument("--decode-tokens", type=int, default=1,
                     help="ttft: tokens each answer generates (1: the first only; more lets the decode thread "
                          "governor choose the count later prefills run on, as an app answering in full does)")
@@ -446,11 +463,14 @@ def main(argv=None) -> int:
         qa.warm_up()
         res = {"model": qa.model_name, "weights": qa.weights, "threads": __import__("torch").get_num_threads(),
                "decode_tokens": args.decode_tokens,
-               **ttft_part(qa, records, idx, variants, args.passages, args.seed, args.repeats, args.decode_tokens)}
+               **ttft_part(qa, records, idx, variants, args.passages, args.seed, args.repeats, args.decode_tokens,
+                           args.profile)}
         (args.out / f"ttft-{args.passages}.json").write_text(json.dumps(res, indent=1))
         print("| variant | TTFT median | full / variant |\n|---|---|---|")
         for v, m in res["median_ttft_ms"].items():
             print(f"| {v} | {m / 1000:.2f} s | {res['full_over_variant'].get(v, 1.0):.1f}x |")
+        for v, ops in res.get("profile", {}).items():
+            print(f"\n{v}, one answer's costliest ops (self CPU ms): " + ", ".join(f"{k} {ms}" for k, ms in ops.items()))
         return 0
     done = answer_rows(qa, records, idx, positions, variants, args.passages, args.max_new_tokens, args.seed,
                        args.out / "rows.jsonl")
