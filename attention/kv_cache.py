@@ -14,8 +14,12 @@ import torch
 # appends one token per step, and a stop may come one step late.
 CAPACITY_SLACK = 8
 # A CPU cache of at least this many bytes (K and V, all layers) lives in one block of transparent huge pages
-# (`memory.arena`): a decode step at long contexts reads all of it (8K tokens of Qwen2.5 1.5B: 0.47 GB)
-HUGE_CACHE_BYTES = 32 << 20
+# (`memory.arena`): a decode step at long contexts reads all of it. Smaller caches stay on 4 KB pages: each
+# question allocates its caches afresh (block modes three: two orders and the answer's), and the first touch
+# of fresh huge pages cost ~2.5 ms per MB against ~0.2 (the kernel finds and zeroes 2 MB pages), while their
+# decode gain was ~1 ms a step at 8K tokens and none at 1.4K: plain block's first token 1.35 s on 4 KB pages
+# against 1.98 s with 32 MB as the threshold (docs/results.md, "Both measurements in one pass")
+HUGE_CACHE_BYTES = 1 << 30
 
 
 @runtime_checkable
