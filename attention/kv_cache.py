@@ -18,7 +18,7 @@ CAPACITY_SLACK = 8
 # question allocates its caches afresh (block modes three: two orders and the answer's), and the first touch
 # of fresh huge pages cost ~2.5 ms per MB against ~0.2 (the kernel finds and zeroes 2 MB pages), while their
 # decode gain was ~1 ms a step at 8K tokens and none at 1.4K: plain block's first token 1.35 s on 4 KB pages
-# against 1.98 s with 32 MB as the threshold (docs/results.md, "Both measurements in one pass")
+# against 1.98 s with 32 MB as the threshold (docs/results.md, "KV caches on 4 KB pages")
 HUGE_CACHE_BYTES = 1 << 30
 
 
