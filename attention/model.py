@@ -410,7 +410,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._freqs = {}  # (theta, scaling, device) -> inv_freq float64
+        self._freqs = {}  # (theta, scaling, device) -> inv_freq float64; ("groups", device) -> rope_layer_groups
         self.kv_dtype = torch.float32  # dtype of new KV caches (the loader sets it: fp32 or bf16)
         self.weight_format = "fp32"  # set by the loader (quant.WEIGHT_FORMATS)
         self.decoder: DecodeRunner = TorchLayers()  # the loader sets it (decode_runner.choose_runner)
@@ -419,6 +419,20 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         """Where the weights are (the loader's `device`); new KV caches and the RoPE tables are made here."""
         return self.model.norm.weight.device
+
+    def rope_layer_groups(self) -> list[tuple[torch.Tensor, list[int]]]:
+        """The layers grouped by their RoPE inverse frequencies (`freqs_for` at the model's own base):
+        [(inv_freq (head_dim/2,) float64, layer indices)], one group for Qwen2.5 and Llama, two for Gemma 3
+        (local and global layers). Memoized per device."""
+        device = self.device
+        key = ("groups", device)
+        if key not in self._freqs:
+            groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
+            for layer in range(self.cfg.num_layers):
+                f = self.freqs_for(layer)
+                groups.setdefault(id(f), (f, []))[1].append(layer)
+            self._freqs[key] = list(groups.values())
+        return self._freqs[key]
 
     def freqs_for(self, layer: int, theta_scale: float = 1.0) -> torch.Tensor:
         """RoPE inverse frequencies (head_dim/2,) float64 of `layer`, on the model's device; `theta_scale`

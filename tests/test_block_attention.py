@@ -57,6 +57,25 @@ def test_reencoded_keys_equal_keys_computed_at_target_positions(lm):
         assert (moved - b.block(0, n)[0]).abs().max().item() < 1e-5 * max(1.0, b.block(0, n)[0].abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reencoding_all_layers_at_once_equals_a_rotation_per_layer_bit_for_bit(lm, dtype):
+    from ldqa.kernels import dispatch
+
+    groups = lm.model.rope_layer_groups()
+    assert sorted(i for _, layers in groups for i in layers) == list(range(lm.model.cfg.num_layers))
+    thetas = {lm.model.cfg.theta_for(i) for i in range(lm.model.cfg.num_layers)}
+    assert len(groups) == len(thetas)  # gemma3: local and global layers
+    keys = torch.randn(lm.model.cfg.num_layers, 2, 7, lm.model.cfg.head_dim).to(dtype)
+    for delta in (3, 1000, -5):
+        want = keys.clone()
+        for layer in range(len(want)):
+            k32 = want[layer].float()
+            dispatch.rope_reencode_(k32, delta, inv_freq=lm.model.freqs_for(layer))
+            want[layer].copy_(k32)
+        got = reencode_keys_(lm.model, keys.clone(), delta)
+        assert torch.equal(got, want) and not torch.equal(got, keys)
+
+
 @pytest.mark.parametrize("headers", ["cached", "fresh"])
 def test_recompute_all_tokens_reproduces_full_attention(lm, headers):
     seg = build_prompt(lm.tokenizer, PASSAGES, "How much lumber does the chamber hold?")
