@@ -228,6 +228,10 @@ class BlockRuntime:
     # RECOMPUTE_GEMMS`): "int8" multiplies them with the int8 prefill GEMM (`quant.int8_lead_rows`), the
     # question's own rows staying bf16; the engine sets the model's (`choices.recompute_gemm`)
     recompute_gemm: str = "bf16"
+    # under the int8 `recompute_gemm`, the question's rows of block+recompute's final pass in int8 too
+    # (their last row at the last layer, which gives the first token, stays bf16: `quant.int8_lead_rows`);
+    # off by default (docs/results.md, "The question's rows in int8")
+    question_int8: bool = False
     _prefix: dict = field(default_factory=dict, repr=False)
     _headers: dict = field(default_factory=dict, repr=False)
     _anchors: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -509,9 +513,10 @@ class BlockRuntime:
             slot_ids += q
         cache.policy = policy
         # block+recompute under the int8 recompute GEMM: the recomputed passage tokens (every fresh slot before
-        # the question) in int8, the question in bf16 (not with gradual filtering, whose passes are subsets);
-        # a pass that only ranks (`ranking_only`) wholly in int8
-        lead = (sum(1 for i in fresh if i < len(slot_ids) - (len(segments.question) if with_question else 0))
+        # the question) in int8, the question in bf16 unless `question_int8` (not with gradual filtering,
+        # whose passes are subsets); a pass that only ranks (`ranking_only`) wholly in int8
+        n_bf16 = len(segments.question) if with_question and not self.question_int8 else 0
+        lead = (sum(1 for i in fresh if i < len(slot_ids) - n_bf16)
                 if mode == "block+recompute" and self.recompute_gemm == "int8" and taper is None else 0)
         with self._gemm(lead):
             logits = self._recompute(cache, slot_ids, fresh, taper=taper) if fresh else None

@@ -88,8 +88,10 @@ def prefill_gemm(model: str | None = None) -> str:
 # the mode's accuracy and speed it up, per model and weight format (`DEFAULT_RECOMPUTE_GEMM`); "bf16"
 # elsewhere. Qwen2.5-Coder-1.5B (gguf), 24 NQ-open prompts with calibrate+reorder: KL to full attention
 # 0.028 against bf16's 0.030 (the recomputed tokens' own error is far larger than int8's rounding) (docs/
-# results.md, "Block reuse: where the points go", "The recomputed tokens in int8").
-RECOMPUTE_GEMMS = PREFILL_GEMMS
+# results.md, "Block reuse: where the points go", "The recomputed tokens in int8"). "int8+question" also
+# takes the question's rows of the final pass in int8, but the row that gives the first token at the last
+# layer (`BlockRuntime.question_int8`; "The question's rows in int8").
+RECOMPUTE_GEMMS = (*PREFILL_GEMMS, "int8+question")
 DEFAULT_RECOMPUTE_GEMM = {("qwen2.5-coder-1.5b-instruct", "gguf"): "int8"}
 
 
@@ -98,5 +100,5 @@ def recompute_gemm(model: str, weights: str) -> str:
     set, else `DEFAULT_RECOMPUTE_GEMM`'s, else "bf16". Raises ValueError naming the variable for a value not
     in `RECOMPUTE_GEMMS`."""
     return _env_choice("LDQA_RECOMPUTE_GEMM", DEFAULT_RECOMPUTE_GEMM.get((model, weights), "bf16"), RECOMPUTE_GEMMS,
-                       "set it to int8 or bf16 (block+recompute's recomputed tokens), or unset it for the model's "
-                       "measured default")
+                       "set it to int8, int8+question or bf16 (block+recompute's recomputed tokens; with "
+                       "+question its question's rows too), or unset it for the model's measured default")

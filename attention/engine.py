@@ -192,8 +192,9 @@ class Engine:
         from ldqa.attention.choices import recompute_gemm
 
         if self._block_runtime is None:
+            gemm = recompute_gemm(self.llm.name, self.llm.weights)
             rt = BlockRuntime(self.llm.model, self.llm.kv_fingerprint, self.kv_store,
-                              recompute_gemm=recompute_gemm(self.llm.name, self.llm.weights))
+                              recompute_gemm=gemm.partition("+")[0], question_int8=gemm == "int8+question")
             rt.self_check()
             self._block_runtime = rt
         return self._block_runtime

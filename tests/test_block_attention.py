@@ -566,3 +566,11 @@ def test_int8_recompute_gemm_takes_the_recomputed_tokens_in_int8_and_the_questio
     gemms.clear()
     rt8.prefill(seg, [None] * 9, mode="block")  # plain block answers: its question in the model's GEMM
     assert set(gemms) == {"bf16"}
+    # question_int8: the question's rows in int8 too, but the last row at the last layer (it gives the
+    # first token: a pass of fewer rows than the split's, `pass_rows`)
+    splits.clear()
+    rt8q = BlockRuntime(lm.model, "fp", recompute_gemm="int8", question_int8=True)
+    _, exact8q, stats = rt8q.prefill(seg, [None] * 9, mode="block+recompute", recompute_ratio=1.0)
+    n = stats.tokens_recomputed + n_q
+    assert (n, n) in splits and set(splits) <= {(n, n), (n, 0)}
+    assert (exact8q[0, -1] - full).abs().max() < 0.1 * scale and not torch.equal(exact8q, exact8)

@@ -297,7 +297,11 @@ def test_block_recompute_gemm_is_the_model_s_measured_one(tiny_model_dir, tmp_pa
     d = str(tiny_model_dir("llama"))
     assert LongDocQA(store=tmp_path / "a", model=d).engine.block_runtime.recompute_gemm == "bf16"
     monkeypatch.setitem(choices.DEFAULT_RECOMPUTE_GEMM, (d, "q8_0"), "int8")
-    assert LongDocQA(store=tmp_path / "b", model=d, weights="q8_0").engine.block_runtime.recompute_gemm == "int8"
+    rt = LongDocQA(store=tmp_path / "b", model=d, weights="q8_0").engine.block_runtime
+    assert (rt.recompute_gemm, rt.question_int8) == ("int8", False)
+    monkeypatch.setenv("LDQA_RECOMPUTE_GEMM", "int8+question")
+    rt = LongDocQA(store=tmp_path / "q", model=d, weights="q8_0").engine.block_runtime
+    assert (rt.recompute_gemm, rt.question_int8) == ("int8", True)
     monkeypatch.setenv("LDQA_RECOMPUTE_GEMM", "int4")
     with pytest.raises(ValueError, match=r"\$LDQA_RECOMPUTE_GEMM='int4'"):
         LongDocQA(store=tmp_path / "c", model=d)

@@ -23,6 +23,8 @@ Variants (--variants, comma-separated):
                             attention in groups of G queries (`model.CAUSAL_GROUP`; 100000: one group);
                             gemm=int8 multiplies the recomputed tokens and the ranking passes with the
                             int8 prefill GEMM, the question's rows in bf16 (`BlockRuntime.recompute_gemm`);
+                            gemm=int8q the question's rows of the final pass too, but the last row at the
+                            last layer (`BlockRuntime.question_int8`);
                             anchor=N encodes every passage block after N anchor passages
                             (`prompt.anchor_ids`; also `block/anchor=N`)
   oracle                    block+recompute of the gold passage whole (the answer's passage), nothing else
@@ -98,8 +100,9 @@ def parse_variant(spec: str) -> dict:
                 settings["batch_orders"] = v == "1"
             elif k == "causal_group" and int(v) >= 1:
                 settings["causal_group"] = int(v)
-            elif k == "gemm" and v in ("bf16", "int8"):
-                settings["recompute_gemm"] = v
+            elif k == "gemm" and v in ("bf16", "int8", "int8q"):
+                settings["recompute_gemm"] = v[:4]
+                settings["question_int8"] = v == "int8q"
             elif k == "anchor" and v.isdigit():
                 settings["anchor_passages"] = int(v)
             elif k == "taper":
@@ -130,7 +133,7 @@ def split_variants(text: str) -> list[str]:
 
 
 SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "taper",
-             "recompute_gemm")  # what a variant may set
+             "recompute_gemm", "question_int8")  # what a variant may set
 
 
 @contextmanager
