@@ -175,14 +175,30 @@ def check_format(fmt: str, group_size: int = DEFAULT_GROUP_SIZE, device: str | t
 
 
 # --------------------------------------------------------------------------- quantize / dequantize
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# rows of a weight `quantize_int8` rounds at a time: a chunk's fp32 temporaries stay in the CPU's caches
+# (whole-matrix temporaries of a 8,960 x 1,536 weight are 55 MB each, faulted in afresh every time)
+QUANTIZE_CHUNK_ROWS = 64
+
+
+def quantize_int8(w: torch.Tensor | None, shape: tuple[int, int] | None = None,
+                  rows_of=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: w (N, K) float -> q (N, K) int8, scales (N,) float32 (values
-    representable in bf16, as the op uses them). w ~= q * scales[:, None]; an all-zero row gets scale 1."""
-    w = w.float()
-    amax = w.abs().amax(dim=1)  # (N,)
-    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    scales = scales.to(torch.bfloat16).float()  # the op multiplies by bf16 scales: quantize against those
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)  # (N, K)
+    representable in bf16, as the op uses them). w ~= q * scales[:, None]; an all-zero row gets scale 1.
+    Rounds QUANTIZE_CHUNK_ROWS rows at a time, each row as a whole. Without w, `shape` (N, K) and
+    `rows_of(a, b)` -> rows a..b-1 of the weight as float (a quantized layer dequantizing chunk by chunk,
+    `QLinear.prefill_weight`): the same result as quantizing the whole dequantized weight."""
+    n, k = w.shape if w is not None else shape
+    device = w.device if w is not None else "cpu"
+    q = torch.empty(n, k, dtype=torch.int8, device=device)
+    scales = torch.empty(n, dtype=torch.float32, device=device)
+    for a in range(0, n, QUANTIZE_CHUNK_ROWS):
+        b = min(n, a + QUANTIZE_CHUNK_ROWS)
+        c = (w[a:b] if w is not None else rows_of(a, b)).float()  # (rows, K), a copy unless fp32: not written
+        amax = c.abs().amax(dim=1)
+        sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        sc = sc.to(torch.bfloat16).float()  # the op multiplies by bf16 scales: quantize against those
+        q[a:b] = torch.round(c / sc[:, None]).clamp_(-127, 127)
+        scales[a:b] = sc
     return q, scales
 
 
@@ -397,8 +413,8 @@ class QLinear(nn.Module):
             return kept[gemm]
         if int8 and self.fmt == "int8":
             w = Int8Weight(self.qweight, self.scales.float())
-        elif int8:
-            w = Int8Weight(*quantize_int8(self.dequantized(torch.float32)))
+        elif int8:  # dequantized and rounded a chunk of rows at a time (no fp32 copy of the whole weight)
+            w = Int8Weight(*quantize_int8(None, (self.out_features, self.in_features), self.dequantized_rows))
         elif self.fmt == "int8":
             w = self.qweight.to(torch.bfloat16) * self.scales[:, None]
         else:
@@ -452,6 +468,15 @@ class QLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_rows(self, a: int, b: int) -> torch.Tensor:
+        """Rows a..b-1 of `dequantized(torch.float32)`, (b - a, K) float32; q8_0 and gguf dequantize only
+        those rows' blocks."""
+        if self.fmt == "q8_0":
+            return cpu_linear.dequantize_q8_0(self.qweight[a:b], self.bscales[a:b], torch.float32)
+        if self.fmt == "gguf":
+            return cpu_linear.dequantize_gguf(self.blocks[a:b], self.ggml_type, self.in_features, torch.float32)
+        return self.dequantized(torch.float32)[a:b]
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         """The weight W (N, K) as this layer computes with it, in `dtype` (for tests and error reports)."""

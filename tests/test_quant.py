@@ -49,6 +49,22 @@ def test_int8_round_trip_error_is_half_a_step():
     assert (dequantize_int8(q, s)[5] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_quantized_in_row_chunks_equals_the_whole_matrix_at_once(dtype):
+    import ldqa.attention.quant as Q
+
+    w = (torch.randn(150, 40, generator=torch.Generator().manual_seed(1)) * 0.02).to(dtype)  # 150: 2 chunks + 22
+    w[70] = 0.0
+    before = w.clone()
+    w32 = w.float()
+    amax = w32.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(torch.bfloat16).float()
+    q_want = torch.round(w32 / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    q, s = Q.quantize_int8(w)
+    assert Q.QUANTIZE_CHUNK_ROWS < 150 and torch.equal(q, q_want) and torch.equal(s, scales)
+    assert torch.equal(w, before)  # the input is never written
+
+
 @pytest.mark.parametrize("group", [32, 64])
 def test_int4_round_trip_error_is_half_a_step(group):
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
@@ -220,6 +236,16 @@ def test_int8_prefill_gemm_multiplies_prefill_rows_in_int8_and_leaves_decode_row
         assert lin.kept_prefill_bytes() == n * k * 2 + n * k + n * 4
     lin.prefill_gemm = "bf16"
     assert torch.equal(lin(x), bf16)
+    # dequantized and rounded 20 rows at a time (3 chunks): the whole dequantized weight's rounding
+    monkeypatch.setattr("ldqa.attention.quant.QUANTIZE_CHUNK_ROWS", 20)
+    lin.__dict__.pop("_kept_prefill_weight", None)
+    chunked = lin.prefill_weight(40, "int8")
+    amax = w.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(torch.bfloat16).float()
+    assert torch.equal(chunked.scale, scales if fmt != "int8" else lin.scales.float())
+    assert torch.equal(chunked.q, torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+                       if fmt != "int8" else lin.qweight)
+    assert torch.equal(lin.dequantized_rows(5, 27), w[5:27])
 
 
 def test_int8_lead_rows_split_a_pass_between_the_two_gemms_and_prefill_gemm_as_overrides(monkeypatch):
