@@ -413,8 +413,10 @@ class QLinear(nn.Module):
             return kept[gemm]
         if int8 and self.fmt == "int8":
             w = Int8Weight(self.qweight, self.scales.float())
-        elif int8:  # dequantized and rounded a chunk of rows at a time (no fp32 copy of the whole weight)
+        elif int8 and self.fmt in ("q8_0", "gguf"):  # dequantized and rounded a chunk of rows at a time
             w = Int8Weight(*quantize_int8(None, (self.out_features, self.in_features), self.dequantized_rows))
+        elif int8:
+            w = Int8Weight(*quantize_int8(self.dequantized(torch.float32)))
         elif self.fmt == "int8":
             w = self.qweight.to(torch.bfloat16) * self.scales[:, None]
         else:
@@ -471,7 +473,7 @@ class QLinear(nn.Module):
 
     def dequantized_rows(self, a: int, b: int) -> torch.Tensor:
         """Rows a..b-1 of `dequantized(torch.float32)`, (b - a, K) float32; q8_0 and gguf dequantize only
-        those rows' blocks."""
+        those rows' blocks, the other formats the whole weight."""
         if self.fmt == "q8_0":
             return cpu_linear.dequantize_q8_0(self.qweight[a:b], self.bscales[a:b], torch.float32)
         if self.fmt == "gguf":
