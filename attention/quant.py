@@ -207,6 +207,24 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) 
     return q.to(dtype) * scales.to(dtype)[:, None]
 
 
+# A kept bf16 prefill weight (`QLinear.prefill_weight`) is packed once into oneDNN's blocked GEMM layout, which
+# aten's `linear` otherwise makes anew from the plain matrix on every call: the same products, on the 2-core
+# machine with AMX 1.2-1.8x sooner per GEMM (docs/results.md, "Packed prefill weights"). The int8 GEMM's
+# weights stay plain: oneDNN's int8 packing costs 43 ms per 8,960 x 1,536 matrix (4 s for the default
+# model, once per process) for a warm answer 1.06x sooner. False: plain weights (tests, A/B).
+PACK_PREFILL_WEIGHTS = True
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """A (N, K) bf16 prefill weight in oneDNN's GEMM layout (`mkldnn::_reorder_linear_weight`: an opaque
+    tensor with the same values, `.to_dense()`, that `QLinear.apply_prefill` multiplies with
+    `mkldnn::_linear_pointwise`); w itself where it is not packed (`PACK_PREFILL_WEIGHTS` off, not a CPU
+    tensor, torch without oneDNN)."""
+    if PACK_PREFILL_WEIGHTS and w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return w
+
+
 class Int8Weight(NamedTuple):
     """A prefill weight for the int8 GEMM (`linear_int8_rows`): w (N, K) ~= q * scale[:, None], q (N, K)
     int8 in [-127, 127], scale (N,) float32 (`quantize_int8`)."""
@@ -215,24 +233,40 @@ class Int8Weight(NamedTuple):
     scale: torch.Tensor
 
 
+
+
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token) symmetric int8: x (M, K) float -> xq (M, K) int8, scale (M, 1) float32 with
     x ~= xq * scale, scale = amax / 127 (an all-zero row: scale 0, xq 0); rounding to nearest, ties to even.
-    The dynamic per-token activation quantization of W8A8 (SmoothQuant, Xiao et al. 2023, sec. 3)."""
+    The dynamic per-token activation quantization of W8A8 (SmoothQuant, Xiao et al. 2023, sec. 3). A
+    CPU matrix takes the C kernel (`cpu_linear.quantize_rows_int8`, the same bits); the torch ops of
+    `quantize_rows_int8_reference` are its reference."""
+    if x.device.type == "cpu" and (fast := cpu_linear.quantize_rows_int8(x.float().contiguous())) is not None:
+        return fast
+    return quantize_rows_int8_reference(x)
+
+
+def quantize_rows_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_int8` in torch ops: x (M, K) float -> (xq (M, K) int8, scale (M, 1) float32)."""
     x = x.float()
     amax = x.abs().amax(dim=1, keepdim=True)  # (M, 1)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return torch.round(x * inv).to(torch.int8), amax / 127.0
 
 
-def linear_int8_rows(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+def linear_int8_rows(x: torch.Tensor, w: Int8Weight, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) float32/bf16, w an `Int8Weight` (N, K) -> x @ w.T (M, N) float32: the rows rounded to int8
     each with its own scale (`quantize_rows_int8`), one int8 GEMM with exact int32 sums (aten `_int_mm`,
     oneDNN's VNNI kernels on x86), then both scales applied in fp32. Each row's result depends on that row
-    alone. Raises RuntimeError (from the op) where this torch build has no CPU int8 GEMM."""
+    alone. The scaling runs in the C kernel where it can (`cpu_linear.dequantize_int32`, the same bits).
+    out: an (M, N) float32 tensor to write the result to (returned). Raises RuntimeError (from the op)
+    where this torch build has no CPU int8 GEMM."""
     xq, sx = quantize_rows_int8(x)
     y = torch._int_mm(xq, w.q.t())  # (M, N) int32
-    return y.float().mul_(w.scale).mul_(sx)  # (mixed int32 * float32 ops take a slow path: 10x this)
+    if (done := cpu_linear.dequantize_int32(y, w.scale, sx, out)) is not None:
+        return done
+    y = y.float().mul_(w.scale).mul_(sx)  # (mixed int32 * float32 ops take a slow path: 10x this)
+    return y if out is None else out.copy_(y)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -384,12 +418,11 @@ class QLinear(nn.Module):
         GEMM, the rest through bf16; x holding fewer than `rows` rows (`pass_rows`) is the pass's last rows."""
         x2 = x.reshape(-1, self.in_features)
         lead = min(lead, len(x2)) if len(x2) == rows else 0
-        parts = []
+        y = torch.empty(len(x2), self.out_features, dtype=x.dtype, device=x.device)  # each part written in place
         if lead:
-            parts.append(self.apply_prefill(x2[:lead], self.prefill_weight(rows, "int8")))
+            self.apply_prefill(x2[:lead], self.prefill_weight(rows, "int8"), out=y[:lead])
         if lead < len(x2):
-            parts.append(self.apply_prefill(x2[lead:], self.prefill_weight(rows, "bf16")))
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+            self.apply_prefill(x2[lead:], self.prefill_weight(rows, "bf16"), out=y[lead:])
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def prefill_weight(self, rows: int, gemm: str | None = None) -> torch.Tensor | Int8Weight | None:
@@ -421,7 +454,8 @@ class QLinear(nn.Module):
             w = self.qweight.to(torch.bfloat16) * self.scales[:, None]
         else:
             w = self.dequantized(torch.bfloat16)
-        if keep:
+        if keep:  # a bf16 weight packed for its GEMM once
+            w = w if int8 else pack_bf16(w)
             self.__dict__.setdefault("_kept_prefill_weight", {})[gemm] = w
         return w
 
@@ -458,15 +492,28 @@ class QLinear(nn.Module):
         for gguf, PREFILL_ROWS for the other formats; fewer rows of q8_0 and gguf run the C kernel."""
         return GGUF_PREFILL_ROWS if self.fmt == "gguf" else PREFILL_ROWS
 
-    def apply_prefill(self, x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
+    def apply_prefill(self, x: torch.Tensor, w: torch.Tensor | Int8Weight, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """x (..., in_features) float32/bf16, w the layer's `prefill_weight` -> (..., out_features) in x's
         dtype: the GEMM of forward's prefill path (bf16, or int8 for an `Int8Weight`: `linear_int8_rows`;
-        bias added in x's dtype), for any number of rows."""
+        bias added in x's dtype), for any number of rows. out: a contiguous (rows, out_features) tensor of
+        x's dtype that receives the result (returned; the int8 GEMM's scaling writes it directly)."""
         x2 = x.reshape(-1, self.in_features)
         if isinstance(w, Int8Weight):
-            y = linear_int8_rows(x2, w).to(x.dtype)
+            direct = out if out is not None and x.dtype == torch.float32 else None
+            y = linear_int8_rows(x2, w, direct).to(x.dtype)
+        elif w.is_mkldnn:  # packed (`pack_bf16`)
+            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16).contiguous(), w, None, "none", [], "")
+            y = y.to(x.dtype)
         else:
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), w).to(x.dtype)
+        if out is not None:
+            if y is not out:
+                out.copy_(y)
+            y = out
+            if self.bias is not None:
+                y.add_(self.bias.to(x.dtype))
+            return y
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,7 +1,7 @@
-"""The CPU kernels in C as one library (`q8_0.c` with `gguf_blocks.h`, and `decode_attention.c`): built at first
-use with the machine's C compiler (`cc -O3 -march=native -fopenmp`) into `$LDQA_CACHE_DIR/kernels/` (or the
-user cache), keyed by the sources, the compiler and the CPU flags, through a temporary file renamed into
-place; loaded with ctypes (the GIL is released during a call). Needs x86-64 with AVX2, FMA and F16C. Where
+"""The CPU kernels in C as one library (`q8_0.c` with `gguf_blocks.h`, `decode_attention.c`, `int8_rows.c`):
+built at first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`) into
+`$LDQA_CACHE_DIR/kernels/` (or the user cache), keyed by the sources, the compiler and the CPU flags, through a
+temporary file renamed into place; loaded with ctypes (the GIL is released during a call). Needs x86-64 with AVX2, FMA and F16C. Where
 it cannot be built (no compiler, another CPU), `available()` is False with the reason in
 `unavailable_reason()`, and the callers (`cpu_linear`) compute with the torch references (correct, slow).
 `LDQA_CPU_KERNELS=torch` forces the references (read once per process; `reset()` re-reads it).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).with_name("q8_0.c"), Path(__file__).with_name("decode_attention.c"))  # one library
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("q8_0.c", "decode_attention.c", "int8_rows.c"))  # one library
 _HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("gguf_blocks.h"))  # included by the sources (part of the build key)
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 _lock = threading.Lock()
@@ -99,6 +99,10 @@ def _build() -> ctypes.CDLL:
     lib.ldqa_decode_attention_biased.restype = ctypes.c_int
     lib.ldqa_decode_stack.argtypes = [p, i64, p, i64, i64, i64, i64, f32, i64, i64, f32, i32]
     lib.ldqa_decode_stack.restype = ctypes.c_int
+    lib.ldqa_quantize_rows_int8.argtypes = [p, i64, i64, p, p, i32]
+    lib.ldqa_quantize_rows_int8.restype = ctypes.c_int
+    lib.ldqa_dequantize_int32.argtypes = [p, i64, i64, p, p, p, i32]
+    lib.ldqa_dequantize_int32.restype = ctypes.c_int
     lib.ldqa_argmax.argtypes = [p, i64]
     lib.ldqa_argmax.restype = i64
     return lib

@@ -1,7 +1,8 @@
 """ldqa's CPU kernels in C, built at first use into one library: the matmul of the `q8_0` weight format
 (`q8_0.c`: `linear_q8_0`, and a decoder layer's decode around attention, `DecodeLayer`), the same for the
-`gguf` format's blocks as shipped (`gguf_blocks.h`: `linear_gguf`, `dequantize_gguf`) and the
-attention of one decode token (`decode_attention.c`: `decode_attention`).
+`gguf` format's blocks as shipped (`gguf_blocks.h`: `linear_gguf`, `dequantize_gguf`), the
+attention of one decode token (`decode_attention.c`: `decode_attention`) and the int8 prefill GEMM's
+element-wise halves (`int8_rows.c`: `quantize_rows_int8`, `dequantize_int32`).
 Torch references: `linear_q8_0_reference`, `linear_gguf_reference` (the `gguf` package's dequantization),
 the model's modules, `reference.attention`.
 
@@ -399,6 +400,44 @@ def argmax(x: torch.Tensor) -> int:
             or not x.numel():
         return int(torch.argmax(x))
     return int(lib.ldqa_argmax(x.data_ptr(), x.numel()))
+
+
+# --------------------------------------------------------------------------- the int8 GEMM's element-wise halves
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-row symmetric int8 of x (M, K) float32 on the CPU in one C pass over each row (`int8_rows.c`):
+    (xq (M, K) int8, scale (M, 1) float32), bit for bit `quant.quantize_rows_int8`'s torch reference for
+    finite x. None where the library is not built or x is not a contiguous CPU float32 matrix (the caller
+    runs the reference). Runs on torch.get_num_threads() threads."""
+    lib = _state["lib"] if "lib" in _state else _lib()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
+        return None
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8)
+    scale = torch.empty(m, 1, dtype=torch.float32)
+    _run("ldqa::quantize_rows_int8", lib.ldqa_quantize_rows_int8, x.data_ptr(), m, k, xq.data_ptr(),
+         scale.data_ptr(), torch.get_num_threads())
+    return xq, scale
+
+
+def dequantize_int32(y: torch.Tensor, wscale: torch.Tensor, xscale: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The int8 GEMM's exact sums y (M, N) int32 -> (y * wscale[n]) * xscale[m] (M, N) float32 in one C pass
+    (`int8_rows.c`), each product rounded in turn: bit for bit torch's `y.float().mul_(wscale).mul_(xscale)`.
+    wscale (N,) and xscale (M, 1) float32; out: a contiguous (M, N) float32 tensor to write to (else a new
+    one). None where the library is not built or an input is not contiguous on the CPU in those dtypes and
+    shapes (the caller runs the torch ops). Runs on torch.get_num_threads() threads."""
+    lib = _state["lib"] if "lib" in _state else _lib()
+    m, n = y.shape
+    if (lib is None or y.dtype != torch.int32 or wscale.dtype != torch.float32 or xscale.dtype != torch.float32
+            or not (y.is_contiguous() and wscale.is_contiguous() and xscale.is_contiguous())
+            or wscale.numel() != n or xscale.numel() != m or y.device.type != "cpu"
+            or (out is not None and (out.shape != (m, n) or out.dtype != torch.float32 or not out.is_contiguous()
+                                     or out.device.type != "cpu"))):
+        return None
+    out = torch.empty(m, n, dtype=torch.float32) if out is None else out
+    _run("ldqa::dequantize_int32", lib.ldqa_dequantize_int32, y.data_ptr(), m, n, wscale.data_ptr(),
+         xscale.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 # --------------------------------------------------------------------------- decode attention

@@ -1,16 +1,19 @@
 """First-token time with each quantized layer's dequantized bf16 prefill weight kept ($LDQA_PREFILL_WEIGHTS=keep,
-the default) against dequantizing it in every pass (dequantize), side by side in one process.
+the default) against dequantizing it in every pass (dequantize), or (--against plain) kept bf16 weights
+packed into oneDNN's GEMM layout (`quant.PACK_PREFILL_WEIGHTS`, the default) against kept plain matrices,
+side by side in one process.
 
     OMP_NUM_THREADS=2 python -m ldqa.eval.bench.bench_prefill_weights --model qwen2.5-coder-1.5b-instruct \
-        [--n 4] [--passages 10] [--out out/bench-prefill-weights]
+        [--n 4] [--passages 10] [--against dequantize|plain] [--out out/bench-prefill-weights]
 
 NQ-open multi-doc prompts (the first --n seeded questions, gold passage first among --passages), the
 passages' blocks stored and the block modes' bias curve fitted before timing. Each question is answered
 (one token) in every mode of --modes, four rounds alternating dequantize, keep, dequantize, keep; the
 kept weights are dropped before every dequantize round, so each keep round starts as a fresh process
 would after its first prefill. Both settings compute with the same bf16 weights: the first tokens must
-agree (`same_first_tokens`). Reports per mode and setting the median TTFT, and dequantize / keep;
-writes OUT/prefill-weights.json and the kept weights' size in MB.
+agree (`same_first_tokens`). With --against plain the rounds alternate plain and packed kept weights, every
+round's weights made afresh by one untimed answer per mode first. Reports per mode and setting the median
+TTFT, and dequantize (or plain) / keep; writes OUT/prefill-weights.json and the kept weights' size in MB.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--modes", default=DEFAULT_MODES, help="ATTENTION[/DEBIAS], comma-separated (debias: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--against", choices=("dequantize", "plain"), default="dequantize",
+                    help="the setting kept packed weights are compared with")
     ap.add_argument("--out", type=Path, default=Path("out/bench-prefill-weights"))
     args = ap.parse_args(argv)
     if not args.data.exists():
@@ -56,6 +61,7 @@ def main(argv=None) -> int:
     modes = [tuple((m + "/none").split("/")[:2]) for m in args.modes.split(",")]
 
     from ldqa.app.api import LongDocQA, Passage
+    from ldqa.attention import quant
 
     records = load_nq(args.data)
     order = list(range(len(records)))
@@ -64,17 +70,22 @@ def main(argv=None) -> int:
     store = tempfile.TemporaryDirectory(prefix="kv-", dir=args.out)
     qa = LongDocQA(store=Path(store.name), model=args.model, kv_budget_mb=4096)
     model = qa.llm.model
-    times = {(m, d, s): [] for m, d in modes for s in ("dequantize", "keep")}
-    firsts = {s: [] for s in ("dequantize", "keep")}
+    base = args.against
+    times = {(m, d, s): [] for m, d in modes for s in (base, "keep")}
+    firsts = {s: [] for s in (base, "keep")}
     tokens = []
     for i in order[: args.n]:
         ex = multidoc_example(records, i, args.passages, 1, args.seed)
         ps = [Passage(p["title"], p["text"]) for p in ex["passages"]]
         qa.answer(ex["question"], ps, attention="block", max_new_tokens=1, debias="calibrate+reorder")
-        for setting in ("dequantize", "keep", "dequantize", "keep"):
-            os.environ["LDQA_PREFILL_WEIGHTS"] = setting
-            if setting == "dequantize":
+        for setting in (base, "keep", base, "keep"):
+            os.environ["LDQA_PREFILL_WEIGHTS"] = "dequantize" if setting == "dequantize" else "keep"
+            quant.PACK_PREFILL_WEIGHTS = setting != "plain"
+            if base == "plain" or setting == "dequantize":
                 drop_kept(model)
+            if base == "plain":  # this round's weights made (and packed or not) before it is timed
+                for attention, debias in modes:
+                    qa.answer(ex["question"], ps, attention=attention, max_new_tokens=1, debias=debias)
             for attention, debias in modes:
                 if attention == "full":
                     qa.engine.clear_memo()
@@ -82,29 +93,31 @@ def main(argv=None) -> int:
                 times[(attention, debias, setting)].append(ans.timings.ttft_ms)
                 firsts[setting].append(ans.text)
         tokens.append(ans.timings.prompt_tokens)
+    quant.PACK_PREFILL_WEIGHTS = True
     rows = {}
     for attention, debias in modes:
         name = attention if debias == "none" else f"{attention}/{debias}"
-        d, k = (statistics.median(times[(attention, debias, s)]) for s in ("dequantize", "keep"))
-        rows[name] = {"dequantize_ms": d, "keep_ms": k, "dequantize_over_keep": d / k}
+        d, k = (statistics.median(times[(attention, debias, s)]) for s in (base, "keep"))
+        rows[name] = {f"{base}_ms": d, "keep_ms": k, f"{base}_over_keep": d / k}
     full = rows.get("full")
     for r in rows.values():
         if full:
-            r["full_over_mode"] = {"dequantize": full["dequantize_ms"] / r["dequantize_ms"],
-                                   "keep": full["keep_ms"] / r["keep_ms"]}
+            r["full_over_mode"] = {base: full[f"{base}_ms"] / r[f"{base}_ms"], "keep": full["keep_ms"] / r["keep_ms"]}
     res = {"model": qa.model_name, "weights": qa.weights, "threads": __import__("torch").get_num_threads(),
-           "questions": args.n, "passages": args.passages, "median_prompt_tokens": statistics.median(tokens),
-           "kept_mb": kept_mb(model), "same_first_tokens": firsts["dequantize"] == firsts["keep"], "modes": rows}
+           "questions": args.n, "passages": args.passages, "against": base,
+           "median_prompt_tokens": statistics.median(tokens), "kept_mb": kept_mb(model),
+           "same_first_tokens": firsts[base] == firsts["keep"], "modes": rows}
     (args.out / "prefill-weights.json").write_text(json.dumps(res, indent=1))
     print(f"{res['model']} ({res['weights']}), {res['threads']} threads, {args.n} questions x 2 rounds, "
           f"median prompt {res['median_prompt_tokens']:.0f} tokens; kept weights {res['kept_mb']:.0f} MB; "
           f"same first tokens: {res['same_first_tokens']}")
-    print("| mode | dequantize | keep | dequantize / keep | full / mode (dequantize -> keep) |\n|---|---|---|---|---|")
+    keep = "keep (packed)" if base == "plain" else "keep"
+    print(f"| mode | {base} | {keep} | {base} / keep | full / mode ({base} -> keep) |\n|---|---|---|---|---|")
     for name, r in rows.items():
-        ratio = (f"{r['full_over_mode']['dequantize']:.1f}x -> {r['full_over_mode']['keep']:.1f}x"
+        ratio = (f"{r['full_over_mode'][base]:.1f}x -> {r['full_over_mode']['keep']:.1f}x"
                  if "full_over_mode" in r and name != "full" else "")
-        print(f"| {name} | {r['dequantize_ms'] / 1000:.2f} s | {r['keep_ms'] / 1000:.2f} s | "
-              f"{r['dequantize_over_keep']:.2f}x | {ratio} |")
+        print(f"| {name} | {r[f'{base}_ms'] / 1000:.2f} s | {r['keep_ms'] / 1000:.2f} s | "
+              f"{r[f'{base}_over_keep']:.2f}x | {ratio} |")
     return 0
 
 
