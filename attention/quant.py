@@ -213,6 +213,11 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) 
 # weights stay plain: oneDNN's int8 packing costs 43 ms per 8,960 x 1,536 matrix (4 s for the default
 # model, once per process) for a warm answer 1.06x sooner. False: plain weights (tests, A/B).
 PACK_PREFILL_WEIGHTS = True
+# Packed at its PACK_AFTER_USES-th pass (packing the default model's bf16 weights takes ~0.6 s): a one-shot
+# `ldqa ask` (1 pass in full attention, up to 4 in block modes with their RoPE self-check) does not pay for
+# a layout it would not use again; a process answering on packs during its sixth full-attention answer or
+# its second block one
+PACK_AFTER_USES = 6
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
@@ -434,8 +439,9 @@ class QLinear(nn.Module):
         the C decode kernel).
         With `apply_prefill` it lets a caller split the rows into chunks and dequantize once
         (`MLP.forward`). Under $LDQA_PREFILL_WEIGHTS=keep (the default) the weight is made once per
-        process and kept on the layer, one per prefill GEMM used (`prefill_weights_mode`); under
-        "dequantize" the kept ones are dropped. Raises ValueError for a bad $LDQA_PREFILL_WEIGHTS."""
+        process and kept on the layer, one per prefill GEMM used (`prefill_weights_mode`), a bf16 one packed
+        for oneDNN's GEMM at its PACK_AFTER_USES-th call (`pack_bf16`); under "dequantize" the kept ones are
+        dropped. Raises ValueError for a bad $LDQA_PREFILL_WEIGHTS."""
         if not self.takes_gemm(rows):
             return None
         keep = prefill_weights_mode() == "keep"
@@ -443,7 +449,12 @@ class QLinear(nn.Module):
         int8 = gemm == "int8"
         kept = self.__dict__.get("_kept_prefill_weight", {}) if keep else self.__dict__.pop("_kept_prefill_weight", {})
         if keep and gemm in kept:
-            return kept[gemm]
+            w = kept[gemm]
+            if not int8 and not w.is_mkldnn and PACK_PREFILL_WEIGHTS:  # packed from its PACK_AFTER_USES-th pass
+                uses = self.__dict__["_prefill_uses"] = self.__dict__.get("_prefill_uses", 1) + 1
+                if uses >= PACK_AFTER_USES:
+                    w = kept[gemm] = pack_bf16(w)
+            return w
         if int8 and self.fmt == "int8":
             w = Int8Weight(self.qweight, self.scales.float())
         elif int8 and self.fmt in ("q8_0", "gguf"):  # dequantized and rounded a chunk of rows at a time
@@ -454,8 +465,10 @@ class QLinear(nn.Module):
             w = self.qweight.to(torch.bfloat16) * self.scales[:, None]
         else:
             w = self.dequantized(torch.bfloat16)
-        if keep:  # a bf16 weight packed for its GEMM once
-            w = w if int8 else pack_bf16(w)
+        if keep:
+            if not int8 and PACK_AFTER_USES <= 1:
+                w = pack_bf16(w)
+            self.__dict__["_prefill_uses"] = 1
             self.__dict__.setdefault("_kept_prefill_weight", {})[gemm] = w
         return w
 
@@ -486,6 +499,7 @@ class QLinear(nn.Module):
     def drop_prefill_weight(self) -> None:
         """Forget the kept prefill weights (`PREFILL_WEIGHT_MODES`); the next prefill makes them again."""
         self.__dict__.pop("_kept_prefill_weight", None)
+        self.__dict__.pop("_prefill_uses", None)
 
     def gemm_rows(self) -> int:
         """The fewest rows (tokens) `forward` multiplies through a dequantized bf16 weight: GGUF_PREFILL_ROWS

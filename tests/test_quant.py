@@ -155,15 +155,18 @@ def test_prefill_weight_is_dequantized_once_and_kept_unless_asked_otherwise(fmt,
     w, x = torch.randn(64, 128, generator=g), torch.randn(40, 128, generator=g)
     monkeypatch.delenv("LDQA_PREFILL_WEIGHTS", raising=False)
     lin = QLinear.from_float(w, None, fmt)
+    monkeypatch.setattr("ldqa.attention.quant.PACK_AFTER_USES", 3)
     first = lin.prefill_weight(40)
-    y = lin(x)
-    assert lin.prefill_weight(40) is first and torch.equal(lin(x), y)
-    assert first.is_mkldnn  # kept packed for oneDNN's GEMM (`quant.pack_bf16`), the same values
-    assert torch.equal(first.to_dense(), lin.dequantized(torch.bfloat16)) and lin.kept_prefill_bytes() == 64 * 128 * 2
+    y = lin(x)  # the second use
+    assert lin.prefill_weight(40) is not first and torch.equal(lin(x), y)  # the third packs it, same products
+    packed = lin.prefill_weight(40)
+    assert packed.is_mkldnn and lin.prefill_weight(40) is packed and not first.is_mkldnn
+    assert torch.equal(packed.to_dense(), first) and torch.equal(first, lin.dequantized(torch.bfloat16))
+    assert lin.kept_prefill_bytes() == 64 * 128 * 2
     assert lin.prefill_weight(1) is None  # decode rows take the quantized kernels as before
     monkeypatch.setenv("LDQA_PREFILL_WEIGHTS", "dequantize")
     again = lin.prefill_weight(40)
-    assert again is not first and lin.prefill_weight(40) is not again and torch.equal(again, first.to_dense())
+    assert again is not first and lin.prefill_weight(40) is not again and torch.equal(again, first)
     assert torch.equal(lin(x), y) and "_kept_prefill_weight" not in lin.__dict__
     monkeypatch.setenv("LDQA_PREFILL_WEIGHTS", "keep")
     lin.prefill_weight(40)
