@@ -238,8 +238,6 @@ class Int8Weight(NamedTuple):
     scale: torch.Tensor
 
 
-
-
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token) symmetric int8: x (M, K) float -> xq (M, K) int8, scale (M, 1) float32 with
     x ~= xq * scale, scale = amax / 127 (an all-zero row: scale 0, xq 0); rounding to nearest, ties to even.

@@ -1,8 +1,8 @@
 """The CPU kernels in C as one library (`q8_0.c` with `gguf_blocks.h`, `decode_attention.c`, `int8_rows.c`):
 built at first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`) into
-`$LDQA_CACHE_DIR/kernels/` (or the user cache), keyed by the sources, the compiler and the CPU flags, through a
-temporary file renamed into place; loaded with ctypes (the GIL is released during a call). Needs x86-64 with AVX2, FMA and F16C. Where
-it cannot be built (no compiler, another CPU), `available()` is False with the reason in
+`$LDQA_CACHE_DIR/kernels/` (or the user cache), keyed by the sources, the compiler and the CPU flags, through
+a temporary file renamed into place; loaded with ctypes (the GIL is released during a call). Needs x86-64
+with AVX2, FMA and F16C. Where it cannot be built (no compiler, another CPU), `available()` is False with the reason in
 `unavailable_reason()`, and the callers (`cpu_linear`) compute with the torch references (correct, slow).
 `LDQA_CPU_KERNELS=torch` forces the references (read once per process; `reset()` re-reads it).
 """
