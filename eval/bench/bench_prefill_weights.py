@@ -11,8 +11,8 @@ passages' blocks stored and the block modes' bias curve fitted before timing. Ea
 (one token) in every mode of --modes, four rounds alternating dequantize, keep, dequantize, keep; the
 kept weights are dropped before every dequantize round, so each keep round starts as a fresh process
 would after its first prefill. Both settings compute with the same bf16 weights: the first tokens must
-agree (`same_first_tokens`). With --against plain the rounds alternate plain and packed kept weights, every
-round's weights made afresh by one untimed answer per mode first. Reports per mode and setting the median
+agree (`same_first_tokens`). With --against plain the rounds alternate plain and packed kept weights (packed
+when made), every round's weights made afresh by one untimed answer per mode first. Reports per mode and setting the median
 TTFT, and dequantize (or plain) / keep; writes OUT/prefill-weights.json and the kept weights' size in MB.
 """
 
@@ -71,6 +71,9 @@ def main(argv=None) -> int:
     qa = LongDocQA(store=Path(store.name), model=args.model, kv_budget_mb=4096)
     model = qa.llm.model
     base = args.against
+    pack_after = quant.PACK_AFTER_USES
+    if base == "plain":  # packed as soon as made, whatever --modes the warm-up answers run
+        quant.PACK_AFTER_USES = 1
     times = {(m, d, s): [] for m, d in modes for s in (base, "keep")}
     firsts = {s: [] for s in (base, "keep")}
     tokens = []
@@ -93,7 +96,7 @@ def main(argv=None) -> int:
                 times[(attention, debias, setting)].append(ans.timings.ttft_ms)
                 firsts[setting].append(ans.text)
         tokens.append(ans.timings.prompt_tokens)
-    quant.PACK_PREFILL_WEIGHTS = True
+    quant.PACK_PREFILL_WEIGHTS, quant.PACK_AFTER_USES = True, pack_after
     rows = {}
     for attention, debias in modes:
         name = attention if debias == "none" else f"{attention}/{debias}"
