@@ -41,6 +41,8 @@ class EvalConfig:
         there answers each record over its own collection, see `answering.answer_from_collection`).
     limit : number of questions (nq-multidoc, kv-retrieval, retrieval, jsonl; each at every position or
         depth) or of (length, depth) cells (niah); None = all.
+    skip : the first `skip` of those are left out (questions `skip`..`limit`-1 of the seeded order: a run
+        that extends one whose rows are kept elsewhere); 0 = none.
     seed : seeds the example sample, the distractors and torch.
     model : LLM name or path (`LongDocQA`'s default when None).
     weights : the LLM's weight format (`LongDocQA`'s default when None); part of the model fingerprint,
@@ -81,6 +83,7 @@ class EvalConfig:
     debias: str = "none"
     retriever: str | None = None
     limit: int | None = None
+    skip: int = 0
     seed: int = 0
     model: str | None = None
     weights: str | None = None
@@ -233,6 +236,9 @@ def _validate(cfg: EvalConfig) -> list[Mode]:
                          + (" (a directory of .txt files)" if cfg.benchmark == "niah" else ""))
     if cfg.limit is not None and cfg.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {cfg.limit}")
+    if cfg.skip < 0 or (cfg.limit is not None and cfg.skip >= cfg.limit):
+        raise ValueError(f"--skip must be >= 0 and below --limit, got {cfg.skip}"
+                         + (f" with --limit {cfg.limit}" if cfg.limit is not None else ""))
     for name in ("n_passages", "top_k", "passage_tokens", "kv_keys", "max_new_tokens", "max_length"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")

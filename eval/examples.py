@@ -19,10 +19,11 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _sample(n: int, cfg: EvalConfig) -> list[int]:
-    """The first `limit` of a seeded permutation of range(n): a larger limit extends a smaller one."""
+    """The first `limit` of a seeded permutation of range(n) but the first `skip`: a larger limit extends a
+    smaller one."""
     order = list(range(n))
     random.Random(cfg.seed).shuffle(order)
-    return order[: cfg.limit] if cfg.limit else order
+    return (order[: cfg.limit] if cfg.limit else order)[cfg.skip:]
 
 
 def split_tokens(tok, ids: list[int], size: int, keep: tuple[int, int] = (0, 0)) -> list[str]:
@@ -98,7 +99,7 @@ def _niah(cfg: EvalConfig, qa) -> list[dict]:
     lengths, depths = _ints(cfg.lengths, "--lengths"), _ints(cfg.depths, "--depths")
     hay_ids = _haystack(Path(cfg.data), tok, max(lengths))
     needle = tok.encode(" " + conf["needle"].strip() + " ")
-    cells = [(n, d) for n in lengths for d in depths][: cfg.limit]
+    cells = [(n, d) for n in lengths for d in depths][: cfg.limit][cfg.skip:]
     out = []
     for n, d in cells:
         hay = hay_ids[: max(0, n - len(needle))]

@@ -60,8 +60,8 @@ id): a rerun, e.g. after an interruption or with a larger ``--limit``, answers o
 ``results.json`` (settings, per-mode summary, every row), ``results.csv`` (every row), ``summary.md``
 (accuracy, TTFT, tokens/s, peak memory per mode) and plots: ``accuracy_vs_position.png`` (nq-multidoc,
 kv-retrieval), ``niah_heatmap.png`` (niah), ``ttft_vs_length.png`` (all). Examples are a seeded sample
-(the first ``--limit`` of a seeded permutation, so a larger limit extends a smaller one); decoding is
-greedy: a run is deterministic for a seed (timings aside).
+(the first ``--limit`` of a seeded permutation, so a larger limit extends a smaller one; ``--skip N``
+leaves out its first N, to extend a run whose rows are kept elsewhere); decoding is greedy: a run is deterministic for a seed (timings aside).
 
 On Ray
 ------
@@ -205,6 +205,8 @@ def add_arguments(p) -> None:
                         "under OUT/collections) and is answered over the top --top-k chunks as `ldqa ask` would; "
                         "default: the whole context")
     p.add_argument("--limit", type=int, default=None, help="questions (niah: grid cells) evaluated; default all")
+    p.add_argument("--skip", type=int, default=0,
+                   help="leave out the first SKIP of those (questions SKIP..LIMIT-1 of the seeded order); default 0")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default out/eval-BENCHMARK)")
     options.add_model_arguments(p, weights_note="The hf mode runs transformers in fp32: compare it with --weights "

@@ -120,6 +120,18 @@ def test_bad_arguments_are_named(tmp_path, capsys):
     assert "--data" in capsys.readouterr().err
     assert main(["eval", "niah", "--data", str(tmp_path), "--modes", "full,turbo"]) == 2
     assert "unknown mode 'turbo'" in capsys.readouterr().err
+    for skip, limit in ((-1, None), (3, 3)):
+        with pytest.raises(ValueError, match="--skip must be >= 0 and below --limit"):
+            harness.run(harness.EvalConfig("nq-multidoc", str(tmp_path), skip=skip, limit=limit))
+
+
+def test_skip_leaves_out_the_head_of_the_seeded_order():
+    from ldqa.eval.examples import _sample
+
+    whole = _sample(50, harness.EvalConfig("nq-multidoc", "x", limit=30, seed=3))
+    assert _sample(50, harness.EvalConfig("nq-multidoc", "x", limit=30, skip=12, seed=3)) == whole[12:]
+    assert _sample(50, harness.EvalConfig("nq-multidoc", "x", skip=45, seed=3))[:5] == \
+        _sample(50, harness.EvalConfig("nq-multidoc", "x", seed=3))[45:]
 
 
 # ------------------------------------------------------------------------------------------ runs
