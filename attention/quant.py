@@ -209,10 +209,15 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) 
 
 # A kept bf16 prefill weight (`QLinear.prefill_weight`) is packed once into oneDNN's blocked GEMM layout, which
 # aten's `linear` otherwise makes anew from the plain matrix on every call: the same products, on the 2-core
-# machine with AMX 1.2-1.8x sooner per GEMM (docs/results.md, "Packed prefill weights"). The int8 GEMM's
-# weights stay plain: oneDNN's int8 packing costs 43 ms per 8,960 x 1,536 matrix (4 s for the default
-# model, once per process) for a warm answer 1.06x sooner. False: plain weights (tests, A/B).
+# machine with AMX 1.2-1.8x sooner per GEMM (docs/results.md, "Packed prefill weights"). False: plain weights
+# (tests, A/B).
 PACK_PREFILL_WEIGHTS = True
+# A kept int8 prefill weight with at least as many outputs as inputs (attention's q and o, the MLP's gate and up)
+# is packed too, for oneDNN's int8 GEMM (`pack_int8`): the same int32 sums, on the 2-core machine with AMX
+# 1.1-1.75x sooner per GEMM at 30-450 rows. The others stay plain: packed, k and v are slower (0.7-0.85x) and
+# the MLP's down no faster at a final pass's rows (1.0x). Packing costs ~1.9 s for the default model.
+# False: plain (tests, A/B).
+PACK_INT8_WEIGHTS = True
 # Packed at its PACK_AFTER_USES-th pass (packing the default model's bf16 weights takes ~0.6 s): a one-shot
 # `ldqa ask` (1 pass in full attention, up to 4 in block modes with their RoPE self-check) does not pay for
 # a layout it would not use again; a process answering on packs during its sixth full-attention answer or
@@ -232,10 +237,63 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
 
 class Int8Weight(NamedTuple):
     """A prefill weight for the int8 GEMM (`linear_int8_rows`): w (N, K) ~= q * scale[:, None], q (N, K)
-    int8 in [-127, 127], scale (N,) float32 (`quantize_int8`)."""
+    int8 in [-127, 127], scale (N,) float32 (`quantize_int8`). packed: None, or the same q in oneDNN's
+    int8 GEMM layout (`pack_int8`; q is then None where it was a copy made for the GEMM)."""
 
-    q: torch.Tensor
+    q: torch.Tensor | None
     scale: torch.Tensor
+    packed: torch.Tensor | None = None
+
+
+_INT8_PACKING_EXACT: bool | None = None
+
+
+def int8_packing_exact() -> bool:
+    """Whether oneDNN's packed int8 GEMM (`torch.ops.onednn.qlinear_pointwise`, u8 activations offset by
+    128 x s8 weights) gives `torch._int_mm`'s exact int32 sums on this CPU, checked once per process on
+    extreme values (every product at +-127 x 255, where a CPU without VNNI would saturate its int16
+    pairs). False where this torch build lacks the ops or the sums differ."""
+    global _INT8_PACKING_EXACT
+    if _INT8_PACKING_EXACT is None:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randint(-127, 128, (48, 256), dtype=torch.int8, generator=g)
+        q[:8] = 127
+        q[8:16] = -127
+        xq = torch.randint(-127, 128, (40, 256), dtype=torch.int8, generator=g)
+        xq[:8] = 127
+        xq[8:16] = -127
+        try:
+            packed = Int8Weight(None, torch.ones(48), torch.ops.onednn.qlinear_prepack(q, None))
+            got = _int8_packed_mm(xq, torch.ones(40, 1), packed)
+            _INT8_PACKING_EXACT = torch.equal(got, torch._int_mm(xq, q.t()).float())
+        except (AttributeError, RuntimeError):
+            _INT8_PACKING_EXACT = False
+        if not _INT8_PACKING_EXACT:
+            log.info("int8 prefill weights stay plain: oneDNN's packed int8 GEMM is missing or not exact here")
+    return _INT8_PACKING_EXACT
+
+
+def pack_int8(w: Int8Weight, own: bool = False) -> Int8Weight:
+    """`w` with its q packed for oneDNN's int8 GEMM (`torch.ops.onednn.qlinear_prepack`), where that pays:
+    a CPU weight with at least as many outputs as inputs, `PACK_INT8_WEIGHTS` on, and the packed GEMM
+    exact here (`int8_packing_exact`); else w itself. own: q is the layer's own weight (the int8 format),
+    kept; otherwise it is dropped, and the packed copy takes its memory."""
+    if (w.packed is not None or not PACK_INT8_WEIGHTS or w.q.device.type != "cpu"
+            or w.q.shape[0] < w.q.shape[1] or not int8_packing_exact()):
+        return w
+    return Int8Weight(w.q if own else None, w.scale, torch.ops.onednn.qlinear_prepack(w.q, None))
+
+
+def _int8_packed_mm(xq: torch.Tensor, sx: torch.Tensor, w: Int8Weight, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """xq (M, K) int8 rows with scales sx (M, 1) times a packed `Int8Weight` -> (M, N) float32, bit for bit
+    `float(xq @ q.T) * scale * sx`: oneDNN multiplies u8 activations with a zero point, so the rows go in as
+    xq + 128 (the sign bit flipped) with zero point 128."""
+    xu = xq.view(torch.uint8).bitwise_xor(128)
+    zero = torch.zeros(len(w.scale), dtype=torch.int64)
+    y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, w.packed, w.scale, zero, None, 1.0, 0, torch.float32,
+                                           "none", [], "")
+    return torch.mul(y, sx, out=out) if out is not None else y.mul_(sx)
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,10 +319,13 @@ def linear_int8_rows(x: torch.Tensor, w: Int8Weight, out: torch.Tensor | None = 
     """x (M, K) float32/bf16, w an `Int8Weight` (N, K) -> x @ w.T (M, N) float32: the rows rounded to int8
     each with its own scale (`quantize_rows_int8`), one int8 GEMM with exact int32 sums (aten `_int_mm`,
     oneDNN's VNNI kernels on x86), then both scales applied in fp32. Each row's result depends on that row
-    alone. The scaling runs in the C kernel where it can (`cpu_linear.dequantize_int32`, the same bits).
+    alone. The scaling runs in the C kernel where it can (`cpu_linear.dequantize_int32`, the same bits); a
+    packed weight (`pack_int8`) takes oneDNN's packed int8 GEMM, the same bits too.
     out: an (M, N) float32 tensor to write the result to (returned). Raises RuntimeError (from the op)
     where this torch build has no CPU int8 GEMM."""
     xq, sx = quantize_rows_int8(x)
+    if w.packed is not None:
+        return _int8_packed_mm(xq, sx, w, out)
     y = torch._int_mm(xq, w.q.t())  # (M, N) int32
     if (done := cpu_linear.dequantize_int32(y, w.scale, sx, out)) is not None:
         return done
@@ -437,9 +498,9 @@ class QLinear(nn.Module):
         the C decode kernel).
         With `apply_prefill` it lets a caller split the rows into chunks and dequantize once
         (`MLP.forward`). Under $LDQA_PREFILL_WEIGHTS=keep (the default) the weight is made once per
-        process and kept on the layer, one per prefill GEMM used (`prefill_weights_mode`), a bf16 one packed
-        for oneDNN's GEMM at its PACK_AFTER_USES-th call (`pack_bf16`); under "dequantize" the kept ones are
-        dropped. Raises ValueError for a bad $LDQA_PREFILL_WEIGHTS."""
+        process and kept on the layer, one per prefill GEMM used (`prefill_weights_mode`), packed for
+        oneDNN's GEMM at its PACK_AFTER_USES-th call (`pack_bf16`; an int8 one where that pays, `pack_int8`);
+        under "dequantize" the kept ones are dropped. Raises ValueError for a bad $LDQA_PREFILL_WEIGHTS."""
         if not self.takes_gemm(rows):
             return None
         keep = prefill_weights_mode() == "keep"
@@ -447,12 +508,13 @@ class QLinear(nn.Module):
         int8 = gemm == "int8"
         kept = self.__dict__.get("_kept_prefill_weight", {}) if keep else self.__dict__.pop("_kept_prefill_weight", {})
         if keep and gemm in kept:
-            w = kept[gemm]
-            if not int8 and not w.is_mkldnn and PACK_PREFILL_WEIGHTS:  # packed from its PACK_AFTER_USES-th pass
-                uses = self.__dict__["_prefill_uses"] = self.__dict__.get("_prefill_uses", 1) + 1
-                if uses >= PACK_AFTER_USES:
-                    w = kept[gemm] = pack_bf16(w)
-            return w
+            uses = self.__dict__.setdefault("_prefill_uses", {})
+            if gemm in uses and (PACK_INT8_WEIGHTS if int8 else PACK_PREFILL_WEIGHTS):
+                uses[gemm] += 1  # packed at its PACK_AFTER_USES-th pass
+                if uses[gemm] >= PACK_AFTER_USES:
+                    kept[gemm] = self._packed(kept[gemm])
+                    del uses[gemm]  # packed, or not to be packed here
+            return kept[gemm]
         if int8 and self.fmt == "int8":
             w = Int8Weight(self.qweight, self.scales.float())
         elif int8 and self.fmt in ("q8_0", "gguf"):  # dequantized and rounded a chunk of rows at a time
@@ -464,11 +526,18 @@ class QLinear(nn.Module):
         else:
             w = self.dequantized(torch.bfloat16)
         if keep:
-            if not int8 and PACK_AFTER_USES <= 1:
-                w = pack_bf16(w)
-            self.__dict__["_prefill_uses"] = 1
+            if PACK_AFTER_USES <= 1:
+                w = self._packed(w)
+            else:
+                self.__dict__.setdefault("_prefill_uses", {})[gemm] = 1
             self.__dict__.setdefault("_kept_prefill_weight", {})[gemm] = w
         return w
+
+    def _packed(self, w: torch.Tensor | Int8Weight) -> torch.Tensor | Int8Weight:
+        """A kept prefill weight in oneDNN's GEMM layout where it is packed (`pack_int8`, `pack_bf16`)."""
+        if isinstance(w, Int8Weight):
+            return pack_int8(w, own=self.fmt == "int8" and w.q is self.qweight)
+        return pack_bf16(w)
 
     def kept_prefill_bytes(self) -> int:
         """Bytes of the prefill weights this layer keeps now (`prefill_weight`, one per prefill GEMM used;
@@ -477,7 +546,8 @@ class QLinear(nn.Module):
         for w in self.__dict__.get("_kept_prefill_weight", {}).values():
             if isinstance(w, Int8Weight):
                 own = self.fmt == "int8" and w.q is self.qweight
-                total += (0 if own else w.q.numel()) + w.scale.numel() * 4
+                total += (0 if own or w.q is None else w.q.numel()) + w.scale.numel() * 4
+                total += 0 if w.packed is None else w.packed.numel()
             else:
                 total += w.numel() * w.element_size()
         return total

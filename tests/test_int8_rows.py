@@ -1,7 +1,8 @@
 """The int8 prefill GEMM's element-wise halves in C (kernels/int8_rows.c via kernels/cpu_linear.py): the
 per-row int8 rounding of the activations and the scaling of the int32 sums, bit for bit against their torch
 references, in the native build and in the AVX2-only build; `quant.linear_int8_rows` the same either way.
-A kept bf16 prefill weight packed for oneDNN's GEMM gives the plain weight's product."""
+A kept bf16 prefill weight packed for oneDNN's GEMM gives the plain weight's product; a packed int8 one the
+plain one's bits."""
 
 import ctypes
 import platform
@@ -105,6 +106,58 @@ def test_a_packed_bf16_weight_gives_the_plain_weights_product():
         # the same oneDNN kernel (equal bits on the machines measured); another CPU may sum in another
         # order: within a bf16 rounding of the output
         assert a.shape == (m, 64) and torch.allclose(a, b, rtol=2**-7, atol=1e-3 * float(b.abs().max()))
+
+
+def _packing_exact():
+    if not quant.int8_packing_exact():
+        pytest.skip("oneDNN's packed int8 GEMM is missing or not exact on this CPU: int8 weights stay plain")
+
+
+@pytest.mark.parametrize("m", [1, 20, 37, 300])
+def test_a_packed_int8_weight_gives_the_plain_weights_bits(m):
+    """The packed GEMM (activations offset by 128 with zero point 128) gives `_int_mm`'s sums, scaled in the
+    same order: equal bits for rows of every scale, zero rows, +-127 extremes, into `out` too."""
+    _packing_exact()
+    g = torch.Generator().manual_seed(9)
+    w = quant.Int8Weight(*quant.quantize_int8(torch.randn(160, 96, generator=g)))
+    packed = quant.pack_int8(w)
+    assert packed.packed is not None and packed.q is None and packed.scale is w.scale
+    x = _rows(m, 96, seed=m)
+    if m > 4:
+        x[4] = torch.where(torch.arange(96) % 2 == 0, 1.0, -1.0)  # every product at +-127 x 127
+    want = quant.linear_int8_rows(x, w)
+    assert torch.equal(quant.linear_int8_rows(x, packed), want)
+    out = torch.full((m, 160), float("nan"))
+    assert quant.linear_int8_rows(x, packed, out) is out and torch.equal(out, want)
+
+
+def test_int8_weights_are_packed_where_it_pays_and_kept_once(monkeypatch):
+    """Only weights with at least as many outputs as inputs are packed (k, v and the MLP's down stay
+    plain); the int8 format keeps its own values, a made copy is dropped for the packed one; off: plain."""
+    _packing_exact()
+    g = torch.Generator().manual_seed(10)
+    narrow = quant.Int8Weight(*quant.quantize_int8(torch.randn(32, 96, generator=g)))
+    assert quant.pack_int8(narrow) is narrow
+    monkeypatch.setattr(quant, "PACK_INT8_WEIGHTS", False)
+    wide = quant.Int8Weight(*quant.quantize_int8(torch.randn(128, 96, generator=g)))
+    assert quant.pack_int8(wide) is wide
+    monkeypatch.setattr(quant, "PACK_INT8_WEIGHTS", True)
+    monkeypatch.setattr(quant, "PACK_AFTER_USES", 3)
+    monkeypatch.delenv("LDQA_PREFILL_WEIGHTS", raising=False)
+    x = torch.randn(40, 96, generator=g)
+    for fmt in ("int8", "q8_0"):
+        if fmt == "q8_0" and not C.available():
+            continue
+        lin = quant.QLinear.from_float(torch.randn(128, 96, generator=g), torch.randn(128, generator=g), fmt)
+        lin.prefill_gemm = "int8"
+        first = lin.prefill_weight(40)
+        y = lin(x)  # the second use
+        assert first.packed is None and lin.prefill_weight(40) is not first  # the third packs it
+        kept = lin.prefill_weight(40)
+        assert kept.packed is not None and lin.prefill_weight(40) is kept and torch.equal(lin(x), y)
+        own = fmt == "int8"
+        assert (kept.q is lin.qweight) if own else (kept.q is None)
+        assert lin.kept_prefill_bytes() == 128 * 96 + 128 * 4  # the packed copy and the scales
 
 
 def test_avx2_build_quantizes_as_the_native_build(avx2_kernel_lib):

@@ -1,18 +1,19 @@
 """First-token time with each quantized layer's dequantized bf16 prefill weight kept ($LDQA_PREFILL_WEIGHTS=keep,
-the default) against dequantizing it in every pass (dequantize), or (--against plain) kept bf16 weights
-packed into oneDNN's GEMM layout (`quant.PACK_PREFILL_WEIGHTS`, the default) against kept plain matrices,
-side by side in one process.
+the default) against dequantizing it in every pass (dequantize), or (--against plain) kept weights packed
+into oneDNN's GEMM layouts (`quant.PACK_PREFILL_WEIGHTS` and `quant.PACK_INT8_WEIGHTS`, the defaults)
+against kept plain matrices, or (--against plain-int8) packed against plain int8 weights alone (bf16 ones
+packed in both), side by side in one process.
 
     OMP_NUM_THREADS=2 python -m ldqa.eval.bench.bench_prefill_weights --model qwen2.5-coder-1.5b-instruct \
-        [--n 4] [--passages 10] [--against dequantize|plain] [--out out/bench-prefill-weights]
+        [--n 4] [--passages 10] [--against dequantize|plain|plain-int8] [--out out/bench-prefill-weights]
 
 NQ-open multi-doc prompts (the first --n seeded questions, gold passage first among --passages), the
 passages' blocks stored and the block modes' bias curve fitted before timing. Each question is answered
 (one token) in every mode of --modes, four rounds alternating dequantize, keep, dequantize, keep; the
 kept weights are dropped before every dequantize round, so each keep round starts as a fresh process
 would after its first prefill. Both settings compute with the same bf16 weights: the first tokens must
-agree (`same_first_tokens`). With --against plain the rounds alternate plain and packed kept weights
-(packed when made), every round's weights made afresh by one untimed answer per mode first. Reports per
+agree (`same_first_tokens`). With --against plain (plain-int8) the rounds alternate plain and packed kept
+weights (packed when made), every round's weights made afresh by one untimed answer per mode first. Reports per
 mode and setting the median TTFT, and dequantize (or plain) / keep; writes OUT/prefill-weights.json and
 the kept weights' size in MB.
 """
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--modes", default=DEFAULT_MODES, help="ATTENTION[/DEBIAS], comma-separated (debias: none)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--against", choices=("dequantize", "plain"), default="dequantize",
+    ap.add_argument("--against", choices=("dequantize", "plain", "plain-int8"), default="dequantize",
                     help="the setting kept packed weights are compared with")
     ap.add_argument("--out", type=Path, default=Path("out/bench-prefill-weights"))
     args = ap.parse_args(argv)
@@ -73,7 +74,8 @@ def main(argv=None) -> int:
     model = qa.llm.model
     base = args.against
     pack_after = quant.PACK_AFTER_USES
-    if base == "plain":  # packed as soon as made, whatever --modes the warm-up answers run
+    plain = base.startswith("plain")
+    if plain:  # packed as soon as made, whatever --modes the warm-up answers run
         quant.PACK_AFTER_USES = 1
     times = {(m, d, s): [] for m, d in modes for s in (base, "keep")}
     firsts = {s: [] for s in (base, "keep")}
@@ -84,10 +86,11 @@ def main(argv=None) -> int:
         qa.answer(ex["question"], ps, attention="block", max_new_tokens=1, debias="calibrate+reorder")
         for setting in (base, "keep", base, "keep"):
             os.environ["LDQA_PREFILL_WEIGHTS"] = "dequantize" if setting == "dequantize" else "keep"
+            quant.PACK_INT8_WEIGHTS = not (plain and setting == base)
             quant.PACK_PREFILL_WEIGHTS = setting != "plain"
-            if base == "plain" or setting == "dequantize":
+            if plain or setting == "dequantize":
                 drop_kept(model)
-            if base == "plain":  # this round's weights made (and packed or not) before it is timed
+            if plain:  # this round's weights made (and packed or not) before it is timed
                 for attention, debias in modes:
                     qa.answer(ex["question"], ps, attention=attention, max_new_tokens=1, debias=debias)
             for attention, debias in modes:
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
                 times[(attention, debias, setting)].append(ans.timings.ttft_ms)
                 firsts[setting].append(ans.text)
         tokens.append(ans.timings.prompt_tokens)
-    quant.PACK_PREFILL_WEIGHTS, quant.PACK_AFTER_USES = True, pack_after
+    quant.PACK_PREFILL_WEIGHTS, quant.PACK_INT8_WEIGHTS, quant.PACK_AFTER_USES = True, True, pack_after
     rows = {}
     for attention, debias in modes:
         name = attention if debias == "none" else f"{attention}/{debias}"
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
     print(f"{res['model']} ({res['weights']}), {res['threads']} threads, {args.n} questions x 2 rounds, "
           f"median prompt {res['median_prompt_tokens']:.0f} tokens; kept weights {res['kept_mb']:.0f} MB; "
           f"same first tokens: {res['same_first_tokens']}")
-    keep = "keep (packed)" if base == "plain" else "keep"
+    keep = "keep (packed)" if plain else "keep"
     print(f"| mode | {base} | {keep} | {base} / keep | full / mode ({base} -> keep) |\n|---|---|---|---|---|")
     for name, r in rows.items():
         ratio = (f"{r['full_over_mode'][base]:.1f}x -> {r['full_over_mode']['keep']:.1f}x"
