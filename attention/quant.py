@@ -184,7 +184,8 @@ def quantize_int8(w: torch.Tensor | None, shape: tuple[int, int] | None = None,
                   rows_of=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: w (N, K) float -> q (N, K) int8, scales (N,) float32 (values
     representable in bf16, as the op uses them). w ~= q * scales[:, None]; an all-zero row gets scale 1.
-    Rounds QUANTIZE_CHUNK_ROWS rows at a time, each row as a whole. Without w, `shape` (N, K) and
+    Rounds QUANTIZE_CHUNK_ROWS rows at a time, each row as a whole (in C where the kernels are built,
+    `quantize_weight_rows_int8_reference` elsewhere, the same bits). Without w, `shape` (N, K) and
     `rows_of(a, b)` -> rows a..b-1 of the weight as float (a quantized layer dequantizing chunk by chunk,
     `QLinear.prefill_weight`): the same result as quantizing the whole dequantized weight."""
     n, k = w.shape if w is not None else shape
@@ -194,12 +195,18 @@ def quantize_int8(w: torch.Tensor | None, shape: tuple[int, int] | None = None,
     for a in range(0, n, QUANTIZE_CHUNK_ROWS):
         b = min(n, a + QUANTIZE_CHUNK_ROWS)
         c = (w[a:b] if w is not None else rows_of(a, b)).float()  # (rows, K), a copy unless fp32: not written
-        amax = c.abs().amax(dim=1)
-        sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-        sc = sc.to(torch.bfloat16).float()  # the op multiplies by bf16 scales: quantize against those
-        q[a:b] = torch.round(c / sc[:, None]).clamp_(-127, 127)
-        scales[a:b] = sc
+        fast = cpu_linear.quantize_weight_rows_int8(c.contiguous()) if c.device.type == "cpu" else None
+        q[a:b], scales[a:b] = fast if fast is not None else quantize_weight_rows_int8_reference(c)
     return q, scales
+
+
+def quantize_weight_rows_int8_reference(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int8`'s rounding of rows c (M, K) float32 in torch ops: (q (M, K) float32 holding the int8
+    values, scales (M,) float32). The C kernel (`cpu_linear.quantize_weight_rows_int8`) gives the same bits."""
+    amax = c.abs().amax(dim=1)
+    sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    sc = sc.to(torch.bfloat16).float()  # the op multiplies by bf16 scales: quantize against those
+    return torch.round(c / sc[:, None]).clamp_(-127, 127), sc
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -103,6 +103,8 @@ def _build() -> ctypes.CDLL:
     lib.ldqa_quantize_rows_int8.restype = ctypes.c_int
     lib.ldqa_dequantize_int32.argtypes = [p, i64, i64, p, p, p, i32]
     lib.ldqa_dequantize_int32.restype = ctypes.c_int
+    lib.ldqa_quantize_weight_rows_int8.argtypes = [p, i64, i64, p, p, i32]
+    lib.ldqa_quantize_weight_rows_int8.restype = ctypes.c_int
     lib.ldqa_argmax.argtypes = [p, i64]
     lib.ldqa_argmax.restype = i64
     return lib

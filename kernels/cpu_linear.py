@@ -419,6 +419,22 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     return xq, scale
 
 
+def quantize_weight_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows of a prefill weight w (M, K) float32 on the CPU rounded to int8 per output channel in one C pass
+    over each row (`int8_rows.c`): (q (M, K) int8, scale (M,) float32, amax / 127 rounded to bf16), bit for
+    bit the torch ops of `quant.quantize_int8` for finite w. None where the library is not built or w is not
+    a contiguous CPU float32 matrix (the caller runs the torch ops). Runs on torch.get_num_threads() threads."""
+    lib = _state["lib"] if "lib" in _state else _lib()
+    if lib is None or w.dtype != torch.float32 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
+        return None
+    m, k = w.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    scale = torch.empty(m, dtype=torch.float32)
+    _run("ldqa::quantize_weight_rows_int8", lib.ldqa_quantize_weight_rows_int8, w.data_ptr(), m, k, q.data_ptr(),
+         scale.data_ptr(), torch.get_num_threads())
+    return q, scale
+
+
 def dequantize_int32(y: torch.Tensor, wscale: torch.Tensor, xscale: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The int8 GEMM's exact sums y (M, N) int32 -> (y * wscale[n]) * xscale[m] (M, N) float32 in one C pass

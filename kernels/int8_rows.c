@@ -15,6 +15,10 @@
  * `threads` threads). AVX2 with an AVX-512 body where the compiler targets it; the tail of a row that is
  * not a whole vector runs the same arithmetic in scalar code.
  *
+ * A third function rounds a prefill weight's rows to int8 per output channel (`quant.quantize_int8`): its
+ * scale is amax / 127 rounded to bf16 (the GEMM's scales are bf16-representable), and each value is divided
+ * by it, rounded to nearest even and clamped to [-127, 127], as torch's ops do.
+ *
  * Built into the same library as q8_0.c (kernels/c_library.py); the torch references are the functions
  * named above, which quant.py runs where the library is unavailable.
  */
@@ -27,7 +31,8 @@
 
 static inline int8_t round_i8(float v) { return (int8_t)nearbyintf(v); } /* |v| <= 127 + rounding */
 
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *scale) {
+/* max |x[j]| over a row of K values. */
+static inline float row_amax(const float *x, int64_t K) {
     int64_t j = 0;
     float amax = 0.0f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -43,9 +48,14 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *scale) {
     for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
 #endif
     for (; j < K; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    return amax;
+}
+
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *scale) {
+    const float amax = row_amax(x, K);
     const float inv = amax > 0.0f ? (1.0f / amax) * 127.0f : 0.0f;
     *scale = amax / 127.0f;
-    j = 0;
+    int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     const __m512 vi = _mm512_set1_ps(inv);
     for (; j + 16 <= K; j += 16) {
@@ -91,6 +101,43 @@ int ldqa_dequantize_int32(const int32_t *y, int64_t M, int64_t N, const float *w
         for (int64_t n = 0; n < N; n++) {
             const float v = (float)ym[n] * wscale[n]; /* rounded here, as torch's first multiply */
             om[n] = v * s;
+        }
+    }
+    return 0;
+}
+
+/* fp32 -> the nearest bf16 value (ties to even), as torch's .to(torch.bfloat16) for finite values. */
+static inline float bf16_round(float f) {
+    union { float f; uint32_t u; } v = {f};
+    v.u += 0x7FFFu + ((v.u >> 16) & 1u);
+    v.u &= 0xFFFF0000u;
+    return v.f;
+}
+
+/* w (M, K) fp32 rows of a weight -> q (M, K) int8, scale (M,) fp32: per row, s = bf16(amax / 127) (1 for an
+ * all-zero row), q = clamp(round_even(w / s), -127, 127): `quant.quantize_int8`'s torch ops bit for bit for
+ * finite w. Returns 0. */
+int ldqa_quantize_weight_rows_int8(const float *w, int64_t M, int64_t K, int8_t *q, float *scale, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = w + m * K;
+        int8_t *qm = q + m * K;
+        const float amax = row_amax(x, K);
+        const float s = amax > 0.0f ? bf16_round(amax / 127.0f) : 1.0f;
+        scale[m] = s;
+        int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 vs = _mm512_set1_ps(s), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+        for (; j + 16 <= K; j += 16) {
+            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + j), vs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_max_ps(_mm512_min_ps(v, hi), lo);
+            _mm_storeu_si128((__m128i *)(qm + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+        }
+#endif
+        for (; j < K; j++) {
+            float v = nearbyintf(x[j] / s);
+            qm[j] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
         }
     }
     return 0;

@@ -171,3 +171,47 @@ def test_avx2_build_quantizes_as_the_native_build(avx2_kernel_lib):
         assert lib.ldqa_quantize_rows_int8(x.data_ptr(), m, k, xq.data_ptr(), sx.data_ptr(), 2) == 0
         rq, rs = quant.quantize_rows_int8_reference(x)
         assert torch.equal(xq, rq) and torch.equal(sx, rs)
+
+
+def _weight_rows(m, k, seed):
+    """`_rows`, plus a row whose amax / 127 is just below bf16's halfway point above 1 (its scale rounds
+    down to 1, so its largest value divides to 127.496) and a row of values on exact ties (amax 127)."""
+    x = _rows(m, k, seed)
+    if m > 3:
+        x[3] = torch.linspace(-1, 1, k) * 127 * 1.0039
+    return x
+
+
+@pytest.mark.parametrize("m, k", [(1, 5), (4, 33), (9, 95), (64, 1536), (64, 8960)])
+def test_weight_rows_round_to_int8_as_torchs_ops(m, k):
+    """The prefill weight's per-channel int8 (`quantize_int8`'s rows) in C equals the torch ops bit for bit:
+    bf16-rounded scales, division, ties to even, an all-zero row (scale 1), vector tails."""
+    w = _weight_rows(m, k, seed=k)
+    q, s = C.quantize_weight_rows_int8(w)
+    rq, rs = quant.quantize_weight_rows_int8_reference(w)
+    assert q.dtype == torch.int8 and torch.equal(q, rq.to(torch.int8)) and torch.equal(s, rs)
+    assert float(s[0]) == 1.0 and not q[0].any()
+
+
+def test_quantize_int8_is_the_same_with_and_without_the_kernels(monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(150, 200, generator=g) * torch.logspace(-2, 2, 150)[:, None]
+    fast = quant.quantize_int8(w)
+    monkeypatch.setenv("LDQA_CPU_KERNELS", "torch")
+    C.reset()
+    assert not C.available()
+    ref = quant.quantize_int8(w)
+    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+
+
+def test_avx2_build_rounds_weight_rows_as_the_native_build(avx2_kernel_lib):
+    lib = avx2_kernel_lib
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ldqa_quantize_weight_rows_int8.argtypes = [p, i64, i64, p, p, i32]
+    for m, k in [(4, 7), (9, 95), (40, 1536)]:
+        w = _weight_rows(m, k, seed=k)
+        q = torch.empty(m, k, dtype=torch.int8)
+        s = torch.empty(m)
+        assert lib.ldqa_quantize_weight_rows_int8(w.data_ptr(), m, k, q.data_ptr(), s.data_ptr(), 2) == 0
+        rq, rs = quant.quantize_weight_rows_int8_reference(w)
+        assert torch.equal(q, rq.to(torch.int8)) and torch.equal(s, rs)
