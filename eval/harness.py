@@ -61,7 +61,8 @@ id): a rerun, e.g. after an interruption or with a larger ``--limit``, answers o
 (accuracy, TTFT, tokens/s, peak memory per mode) and plots: ``accuracy_vs_position.png`` (nq-multidoc,
 kv-retrieval), ``niah_heatmap.png`` (niah), ``ttft_vs_length.png`` (all). Examples are a seeded sample
 (the first ``--limit`` of a seeded permutation, so a larger limit extends a smaller one; ``--skip N``
-leaves out its first N, to extend a run whose rows are kept elsewhere); decoding is greedy: a run is deterministic for a seed (timings aside).
+leaves out its first N, to extend a run whose rows are kept elsewhere); decoding is greedy: a run is
+deterministic for a seed (timings aside).
 
 On Ray
 ------

@@ -13,9 +13,9 @@ passages' blocks stored and the block modes' bias curve fitted before timing. Ea
 kept weights are dropped before every dequantize round, so each keep round starts as a fresh process
 would after its first prefill. Both settings compute with the same bf16 weights: the first tokens must
 agree (`same_first_tokens`). With --against plain (plain-int8) the rounds alternate plain and packed kept
-weights (packed when made), every round's weights made afresh by one untimed answer per mode first. Reports per
-mode and setting the median TTFT, and dequantize (or plain) / keep; writes OUT/prefill-weights.json and
-the kept weights' size in MB.
+weights (packed when made), every round's weights made afresh by one untimed answer per mode first.
+Reports per mode and setting the median TTFT, and dequantize (or plain) / keep; writes
+OUT/prefill-weights.json and the kept weights' size in MB.
 """
 
 from __future__ import annotations
