@@ -524,8 +524,11 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
         # later builds find every block stored by the first: report what the store held before this
         # question (the first's lookups, reuse and computed tokens) and all the encoding
         fs = first.block_stats
-        if rebuild:  # the final context is of another mode: its own reuse and computed tokens
+        if rebuild:  # the final context is of another mode: its own computed tokens; of its reused ones,
+            # none beyond what the store held before this question (blocks encoded by the first build are
+            # not reused from the store)
             ctx.block_stats = replace(ctx.block_stats, kv_hits=fs.kv_hits, kv_misses=fs.kv_misses,
+                                      tokens_reused=min(ctx.block_stats.tokens_reused, fs.tokens_reused),
                                       encode_ms=fs.encode_ms + ctx.block_stats.encode_ms)
         else:
             ctx.block_stats = replace(ctx.block_stats, kv_hits=fs.kv_hits, kv_misses=fs.kv_misses,

@@ -208,6 +208,14 @@ def test_precompute_kv_fills_the_store_and_replacement_drops_blocks(tiny_qa, tmp
         warm = tiny_qa.ask("What is the maximum load of the chamber?", top_k=2, attention="block+recompute",
                            debias="none", recompute_ratio=0.0)
         assert warm.timings["kv_hits"] == 2 and warm.timings["kv_misses"] == 0
+        # debiased, the final context is rebuilt after block mode's measurements: a question over passages
+        # not stored yet (one anchor passage: blocks of their own) reports nothing reused from the store, a
+        # warm one what it reused
+        q = "What is the moisture target?"
+        cold = tiny_qa.ask(q, top_k=2, attention="block+recompute", debias="calibrate+reorder", anchor_passages=1)
+        warm = tiny_qa.ask(q, top_k=2, attention="block+recompute", debias="calibrate+reorder", anchor_passages=1)
+        assert cold.timings["kv_misses"] > 0 and cold.timings["tokens_reused"] == 0
+        assert warm.timings["kv_misses"] == 0 and 0 < warm.timings["tokens_reused"] < warm.timings["prompt_tokens"]
         assert tiny_qa.precompute_kv(attention="block")["computed"] == 0  # block's blocks are still there
     for bad in ("full", "retrieval", "blocks"):
         with pytest.raises(ValueError, match="precomputed for a block mode"):
