@@ -131,7 +131,7 @@ def run(cfg: EvalConfig) -> dict:
                 todo.append((ex, m))
     n_cached = len(rows)
     if n_cached:
-        print(f"ldqa eval: {n_cached} answers from the cache in {out / 'predictions.sqlite'}", file=sys.stderr)
+        print(f"ldqa eval: answers from the cache: {n_cached}, in {out / 'predictions.sqlite'}", file=sys.stderr)
     ray_info: dict = {}
     answered = _answers_here(qa, cfg, todo, max_new) if cfg.ray is None or not todo else \
         _answers_on_ray(cfg, qa, todo, max_new, ray_info)

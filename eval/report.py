@@ -60,8 +60,8 @@ def summary_markdown(result: dict) -> str:
         extra = JSONL_COLLECTION_COLUMNS
     lines = [f"# ldqa eval {bench}", "",
              f"model `{result['model']}`, data `{st['data']}`, seed {st['seed']}, max_new_tokens "
-             f"{st['max_new_tokens']}; accuracy = {result['metric']}; {result['computed']} answers computed, "
-             f"{result['cached']} from the cache.", "",
+             f"{st['max_new_tokens']}; accuracy = {result['metric']}; answers computed: {result['computed']}, "
+             f"from the cache: {result['cached']}.", "",
              "| " + " | ".join(head + extra) + " |", "|" + "---|" * len(head + extra)]
     for m in modes:
         cells = [m["mode"], str(m["n"]), _fmt(m["accuracy"], 3), _fmt(m["ttft_ms"]), _fmt(m["tokens_per_s"]),
