@@ -52,8 +52,8 @@ class Context:
 
 @dataclass
 class PrefillMemo:
-    """Copies of recent exact prefills' caches, at most `max_bytes` in all, least recently used dropped
-    first; keyed by (prompt token ids, model fingerprint, RoPE theta scale of the global layers)."""
+    """Copies of recent exact prefills' caches (with their recorded queries), at most `max_bytes` in all,
+    least recently used dropped first; keyed by (prompt token ids, model fingerprint, RoPE theta scale of the global layers)."""
 
     max_bytes: int = PREFILL_MEMO_BYTES
     entries: OrderedDict = field(default_factory=OrderedDict)
@@ -88,7 +88,8 @@ class PrefillMemo:
         """Keep copies of `cache` and `logits` (with the recorded `queries` and the prefill's time `ms`),
         dropping the least recently used entries to stay within `max_bytes`; a cache larger than
         `max_bytes` on its own is not kept."""
-        size = cache.capacity * cache.nbytes() // max(1, cache.length)  # bytes of a copy
+        size = cache.capacity * cache.nbytes() // max(1, cache.length)  # bytes of a copy, and the queries'
+        size += sum(q.untyped_storage().nbytes() for q in (queries or {}).values())
         if size > self.max_bytes:
             return
         while self.entries and size + sum(m["bytes"] for m in self.entries.values()) > self.max_bytes:

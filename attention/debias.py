@@ -254,7 +254,8 @@ class DebiasKV:
         """q: (b, hq, n, d); k, v: (b, hkv, L, d); q_pos (n,), k_pos (L,). Returns (b, hq, n, d) or None
         (None: the layer runs its normal attention)."""
         if self.n_record and q.shape[2] > 1:
-            rec = q[:, :, -self.n_record:].detach().float()  # (b, hq, n_record, d)
+            # a copy (b, hq, n_record, d): a view would keep the whole pass's queries alive with it
+            rec = q[:, :, -self.n_record:].detach().to(torch.float32, copy=True)
             self.queries[layer] = rec[0] if rec.shape[0] == 1 else rec
         if self.log_w is None:
             return None

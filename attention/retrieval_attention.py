@@ -165,7 +165,7 @@ class RetrievalKV:
     def observe_prefill(self, layer: int, q: torch.Tensor) -> None:
         """q: (1, q_heads, n, d) queries of a prefill pass; keeps the last `max_queries` of them."""
         m = self.cfg.index_config().max_queries
-        self._queries[layer] = q[0, :, -m:].detach().float()  # (hq, m, d)
+        self._queries[layer] = q[0, :, -m:].detach().to(torch.float32, copy=True)  # (hq, m, d), not a view
         self._layers.setdefault(layer, _LayerState()).stale = True
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -689,3 +689,28 @@ def test_biased_decode_step_takes_the_c_kernel_with_the_einsum_paths_result(monk
     assert calls == [1]
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     assert (slow - D.DebiasKV(log_w=torch.zeros(L + 20), scale=0.125).forward(0, q, k, v, *pos, None)).abs().max() > 1e-2
+
+
+def test_recorded_queries_are_copies_and_the_prefill_memo_counts_them(tiny_qa):
+    """A prefill's recorded question queries own just their rows (a view would keep every row's queries of
+    the pass alive with them, in each kept prefill), and the memo's byte count includes them."""
+    from ldqa.attention.context import exact_prefill
+
+    model = tiny_qa.llm.model
+    prompt = build_prompt(tiny_qa.llm.tokenizer, PASSAGES, "What torque for the fan hub bolts?")
+    tiny_qa.engine.clear_memo()
+    memo = tiny_qa.prefill_memo
+    ctx = exact_prefill(model, tiny_qa.llm.fingerprint, prompt, 4, memo=memo)
+    assert ctx.queries
+    own = 0
+    for q in ctx.queries.values():
+        assert q.dtype == torch.float32 and q.shape[1] == len(prompt.question)
+        assert q.untyped_storage().nbytes() == q.numel() * 4  # its own rows only
+        own += q.numel() * 4
+    (entry,) = memo.entries.values()
+    cache_copy = ctx.cache.capacity * ctx.cache.nbytes() // ctx.cache.length
+    assert entry["bytes"] == cache_copy + own
+    rec = D.DebiasKV(n_record=3, scale=1.0)
+    q = torch.randn(1, 4, 10, 8)
+    rec.forward(0, q, torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8), torch.arange(10), torch.arange(10), None)
+    assert torch.equal(rec.queries[0], q[0, :, -3:]) and rec.queries[0].untyped_storage().nbytes() == 4 * 3 * 8 * 4
