@@ -51,6 +51,7 @@ written by one torch build is never fed to another's op unpacked wrongly.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -291,15 +292,21 @@ def pack_int8(w: Int8Weight, own: bool = False) -> Int8Weight:
     return Int8Weight(w.q if own else None, w.scale, torch.ops.onednn.qlinear_prepack(w.q, None))
 
 
+@functools.lru_cache(maxsize=16)
+def _weight_zero_points(n: int) -> torch.Tensor:
+    """The packed int8 GEMM's per-output-channel weight zero points, (n,) int64 zeros (symmetric weights),
+    made once per width rather than on every call."""
+    return torch.zeros(n, dtype=torch.int64)
+
+
 def _int8_packed_mm(xq: torch.Tensor, sx: torch.Tensor, w: Int8Weight, out: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """xq (M, K) int8 rows with scales sx (M, 1) times a packed `Int8Weight` -> (M, N) float32, bit for bit
     `float(xq @ q.T) * scale * sx`: oneDNN multiplies u8 activations with a zero point, so the rows go in as
     xq + 128 (the sign bit flipped) with zero point 128."""
     xu = xq.view(torch.uint8).bitwise_xor(128)
-    zero = torch.zeros(len(w.scale), dtype=torch.int64)
-    y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, w.packed, w.scale, zero, None, 1.0, 0, torch.float32,
-                                           "none", [], "")
+    y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, w.packed, w.scale, _weight_zero_points(len(w.scale)),
+                                           None, 1.0, 0, torch.float32, "none", [], "")
     return torch.mul(y, sx, out=out) if out is not None else y.mul_(sx)
 
 
