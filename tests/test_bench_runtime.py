@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,34 @@ def test_compare_weights_reports_f1_words_and_answers_at_the_cap(tmp_path):
     (tmp_path / "d.csv").write_text(head + "full,q1,['18 Nm'],18 Nm,1,5,9,eos\nfull,q2,\"['E-14', 'E14']\",E-14,1,5,9,eos\n")
     with pytest.raises(ValueError, match=r"d\.csv: row q1 lists its answers"):
         compare(tmp_path / "a.csv", tmp_path / "d.csv")
+
+
+def test_compare_weights_pairs_questions_across_gold_positions_and_joins_runs(tmp_path):
+    from ldqa.eval.bench.compare_weights import compare, main
+
+    head = "mode,example_id,gold_position,record,answers,prediction,score\n"
+    row = lambda m, r, p, pred, s: f"{m},q{r}/pos{p},{p},{r},x,{pred},{s}\n"  # noqa: E731
+    (tmp_path / "a.csv").write_text(head + row("full", 1, 1, "x", 1) + row("full", 1, 10, "y", 0)
+                                    + row("block", 1, 1, "y", 0) + row("block", 1, 10, "x", 1))
+    (tmp_path / "b.csv").write_text(head + row("full", 2, 1, "x", 1) + row("full", 2, 10, "x", 1)
+                                    + row("block", 2, 1, "x", 1) + row("block", 2, 10, "y", 0))
+    ab = f"{tmp_path / 'a.csv'},{tmp_path / 'b.csv'}"  # two runs of different questions, read as one
+    # block's gold-first answers against full attention's gold-last ones, question by question
+    c = compare(Path(ab), Path(ab), "block", "full", position=1, ref_position=10)
+    assert c["n"] == 2 and (c["ref_score"], c["score"]) == (0.5, 0.5) and c["identical_predictions"] == 2
+    assert compare(Path(ab), Path(ab), "block", "full", position=10, ref_position=1)["diff_points"] == -50.0
+    assert compare(Path(ab), Path(ab), "block", "full", position=1)["diff_points"] == -50.0  # both at gold 1
+    assert main(["--mode", "block", "--ref-mode", "full", "--position", "1", "--ref-position", "10", ab, ab]) == 0
+    assert main(["--ref-position", "10", ab, ab]) == 2 and main(["--position", "first", ab, ab]) == 2
+    with pytest.raises(ValueError, match="ref_position needs position"):
+        compare(Path(ab), Path(ab), "block", "full", ref_position=10)
+    # the same example in two joined files, and rows without gold positions, are refused by name
+    with pytest.raises(ValueError, match=r"a\.csv and .*a2\.csv both hold full row q1/pos1"):
+        (tmp_path / "a2.csv").write_text((tmp_path / "a.csv").read_text())
+        compare(Path(f"{tmp_path / 'a.csv'},{tmp_path / 'a2.csv'}"), Path(ab))
+    (tmp_path / "c.csv").write_text("mode,example_id,prediction,score\nfull,q1,x,1\nfull,q2,x,1\n")
+    with pytest.raises(ValueError, match="--position needs nq-multidoc rows"):
+        compare(tmp_path / "c.csv", tmp_path / "c.csv", position=1)
 
 
 def test_kv_read_bytes_counts_a_sliding_layer_s_window_only():

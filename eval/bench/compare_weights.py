@@ -14,7 +14,12 @@ of each (SQuAD's, which punishes padding that best-subspan EM rewards) with its 
 mean words per answer, and how many answers stopped at the token cap (rows with a `stop_reason`).
 Each argument is a run's directory (its `results.csv`, written by `ldqa eval`) or such a file itself,
 plain or gzipped (`docs/data/weights-nq200/*.csv.gz` are the rows of docs/results.md's 200-question
-runs).
+runs), or several of them joined by commas, read as one run (a run extended with `ldqa eval --skip`).
+
+nq-multidoc across gold positions: `--position P` compares the rows with the gold passage at P only,
+and `--ref-position Q` pairs each with the reference's row of the same question (`record`) with the gold
+passage at Q (default P), e.g. a mode's gold-first answers against full attention's gold-last ones:
+`--mode block --position 1 --ref-mode full --ref-position 10 DIR DIR`.
 """
 
 from __future__ import annotations
@@ -26,23 +31,44 @@ import sys
 from pathlib import Path
 
 
-def _rows(run: Path, mode: str) -> dict[str, dict]:
-    """`run`'s rows of eval mode `mode` by example_id; `run` is a directory holding results.csv or a
-    .csv / .csv.gz file. Raises FileNotFoundError naming the path when there is no such file."""
-    path = run / "results.csv" if run.is_dir() else run
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no results.csv here; pass an `ldqa eval` output directory or its "
-                                "results.csv(.gz)")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", newline="") as f:
-        return {r["example_id"]: r for r in csv.DictReader(f) if r["mode"] == mode}
+def _rows(run: Path, mode: str, position: int | None = None) -> dict[str, dict]:
+    """`run`'s rows of eval mode `mode` by example_id, or with `position` the rows with the gold passage
+    there by question (`record`); `run` is a directory holding results.csv or a .csv / .csv.gz file, or
+    several joined by commas. Raises FileNotFoundError naming a path that is no such file, ValueError
+    when two of the files hold the same example or `position` is given for rows without gold positions."""
+    rows, seen = {}, {}
+    for part in str(run).split(","):
+        path = Path(part) / "results.csv" if Path(part).is_dir() else Path(part)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no results.csv here; pass an `ldqa eval` output directory or its "
+                                    "results.csv(.gz)")
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", newline="") as f:
+            for r in csv.DictReader(f):
+                if r["mode"] != mode:
+                    continue
+                if seen.get(r["example_id"], path) != path:
+                    raise ValueError(f"{seen[r['example_id']]} and {path} both hold {mode} row {r['example_id']}; "
+                                     "join runs of different questions only")
+                seen[r["example_id"]] = path
+                rows[r["example_id"]] = r
+    if position is None:
+        return rows
+    if any(not r.get("gold_position") or not r.get("record") for r in rows.values()):
+        raise ValueError(f"{run}: --position needs nq-multidoc rows (gold_position and record columns)")
+    return {r["record"]: r for r in rows.values() if int(r["gold_position"]) == position}
 
 
-def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | None = None) -> dict:
+def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | None = None,
+            position: int | None = None, ref_position: int | None = None) -> dict:
     """Paired statistics of `other_dir`'s rows of eval mode `mode` against `ref_dir`'s rows of `ref_mode`
-    (default: `mode`), paired by example_id (see the module docstring). Raises ValueError when they share
-    fewer than 2 examples."""
-    a, b = _rows(ref_dir, ref_mode or mode), _rows(other_dir, mode)
+    (default: `mode`), paired by example_id, or with `position` by question between the rows with the
+    gold passage at `position` and the reference's at `ref_position` (default `position`) (see the module
+    docstring). Raises ValueError when they share fewer than 2 examples, or as `_rows`."""
+    if ref_position is not None and position is None:
+        raise ValueError("ref_position needs position: the gold position of the compared rows")
+    a = _rows(ref_dir, ref_mode or mode, ref_position or position)
+    b = _rows(other_dir, mode, position)
     ids = sorted(set(a) & set(b))
     if len(ids) < 2:
         raise ValueError(f"{ref_dir} and {other_dir} share {len(ids)} examples; at least 2 are needed")
@@ -81,23 +107,29 @@ def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    mode, ref_mode = "full", None
-    while argv[:1] in (["--mode"], ["--ref-mode"]) and len(argv) > 1:
-        if argv[0] == "--mode":
-            mode = argv[1]
-        else:
-            ref_mode = argv[1]
+    opts = {"--mode": "full", "--ref-mode": None, "--position": None, "--ref-position": None}
+    while argv[:1] and argv[0] in opts and len(argv) > 1:
+        opts[argv[0]] = argv[1]
         argv = argv[2:]
-    if len(argv) < 2:
+    mode, ref_mode = opts["--mode"], opts["--ref-mode"]
+    try:
+        position, ref_position = (None if opts[k] is None else int(opts[k]) for k in ("--position", "--ref-position"))
+    except ValueError:
+        print(f"--position / --ref-position: a gold position (1-based), got {opts['--position']!r} / "
+              f"{opts['--ref-position']!r}", file=sys.stderr)
+        return 2
+    if len(argv) < 2 or (ref_position is not None and position is None):
         print(__doc__, file=sys.stderr)
         return 2
     ref = Path(argv[0])
-    print(f"reference: {ref} ({ref_mode or mode} rows), compared: {mode} rows")
+    where = lambda p: "" if p is None else f", gold at {p}"  # noqa: E731
+    print(f"reference: {ref} ({ref_mode or mode} rows{where(ref_position or position)}), compared: {mode} rows"
+          f"{where(position)}")
     print("| run | n | reference score | score | paired diff (points) | SE | identical | TTFT ms ref -> run | "
           "tok/s ref -> run | F1 ref -> run | F1 diff (SE) | words ref -> run | at cap ref -> run |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for o in argv[1:]:
-        c = compare(ref, Path(o), mode, ref_mode)
+        c = compare(ref, Path(o), mode, ref_mode, position, ref_position)
         print(f"| {o} | {c['n']} | {c['ref_score']:.3f} | {c['score']:.3f} | {c['diff_points']:+.1f} | "
               f"{c['se_points']:.1f} | {c['identical_predictions']}/{c['n']} | {c['ref_ttft_ms']:.0f} -> "
               f"{c['ttft_ms']:.0f} | {c['ref_tokens_per_s']:.1f} -> {c['tokens_per_s']:.1f} | "
