@@ -53,7 +53,8 @@ class Context:
 @dataclass
 class PrefillMemo:
     """Copies of recent exact prefills' caches (with their recorded queries), at most `max_bytes` in all,
-    least recently used dropped first; keyed by (prompt token ids, model fingerprint, RoPE theta scale of the global layers)."""
+    least recently used dropped first; keyed by (prompt token ids, model fingerprint, RoPE theta scale of
+    the global layers)."""
 
     max_bytes: int = PREFILL_MEMO_BYTES
     entries: OrderedDict = field(default_factory=OrderedDict)

@@ -196,7 +196,7 @@ def quantize_int8(w: torch.Tensor | None, shape: tuple[int, int] | None = None,
     for a in range(0, n, QUANTIZE_CHUNK_ROWS):
         b = min(n, a + QUANTIZE_CHUNK_ROWS)
         c = (w[a:b] if w is not None else rows_of(a, b)).float()  # (rows, K), a copy unless fp32: not written
-        fast = cpu_linear.quantize_weight_rows_int8(c.contiguous()) if c.device.type == "cpu" else None
+        fast = cpu_linear.quantize_weight_rows_int8(c.contiguous())  # None off the CPU or unbuilt
         q[a:b], scales[a:b] = fast if fast is not None else quantize_weight_rows_int8_reference(c)
     return q, scales
 
