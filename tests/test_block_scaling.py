@@ -156,6 +156,11 @@ def test_bench_recompute_variants_take_anchor_passages():
     assert parse_variant("question@0.3/measured=1,anchor=2")["anchor_passages"] == 2
     with pytest.raises(ValueError, match="anchor=N"):
         parse_variant("block/anchor=x")
+    assert parse_variant("question@0.3/debias=calibrate")["debias"] == "calibrate"
+    assert parse_variant("block/debias=calibrate+reorder") == {"attention": "block", "debias": "calibrate+reorder"}
+    for bad in ("question@0.3/debias=sort", "block/debias=none"):
+        with pytest.raises(ValueError, match="debias=M"):
+            parse_variant(bad)
 
 
 @pytest.mark.bench
@@ -166,7 +171,8 @@ def test_bench_recompute_ttft_part_times_each_variant_against_full(tmp_path, tin
     from ldqa.eval.bench.bench_recompute import main
 
     out = tmp_path / "o"
-    variants = ["full", "block/measured=1,batch_orders=0", "block/measured=1", "question@0.3/measured=1"]
+    variants = ["full", "block/measured=1,batch_orders=0", "block/measured=1", "question@0.3/measured=1",
+                "question@0.3/debias=calibrate"]
     assert main(["--part", "ttft", "--model", str(tiny_model_dir("qwen2")), "--n", "1", "--repeats", "1",
                  "--passages", "3", "--variants", ",".join(variants), "--out", str(out)]) == 0
     res = json.loads((out / "ttft-3.json").read_text())

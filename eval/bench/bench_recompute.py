@@ -18,6 +18,8 @@ Variants (--variants, comma-separated):
                             shuffle and its reverse), as block+recompute does under calibrate+reorder
                             (--part ttft: the answer runs with calibrate+reorder; batch_orders=0
                             measures the two orders in a pass each, not in one batched pass);
+                            debias=M (--part ttft; also block/debias=M) answers with debias method M,
+                            calibrate or calibrate+reorder;
                             taper=J:T recomputes only the best T share from layer J on (gradual filtering,
                             `BlockRuntime.taper`); causal_group=G: the recompute pass's global
                             attention in groups of G queries (`model.CAUSAL_GROUP`; 100000: one group);
@@ -54,6 +56,7 @@ from ldqa.eval.metrics import best_subspan_em
 from ldqa.eval.nq import DEFAULT_DATA, load_nq, multidoc_example
 
 DEFAULT_VARIANTS = "full,block,oracle,lead@0.12,deviation@0.15,question@0.1,question@0.2,question@1.0"
+TTFT_DEBIAS = ("calibrate", "calibrate+reorder")  # debias=M of a --part ttft variant: the method it answers with
 
 
 def parse_variant(spec: str) -> dict:
@@ -71,6 +74,8 @@ def parse_variant(spec: str) -> dict:
                 kw["anchor_passages"] = int(v)
             elif k == "measured" and v in ("0", "1"):
                 kw["measured"] = v == "1"
+            elif k == "debias" and v in TTFT_DEBIAS:
+                kw["debias"] = v
             elif k == "batch_orders" and v in ("0", "1"):
                 kw["batch_orders"] = v == "1"
             else:
@@ -96,6 +101,8 @@ def parse_variant(spec: str) -> dict:
                 settings["select_skip_first"] = v == "1"
             elif k == "measured" and v in ("0", "1"):
                 settings["measured"] = v == "1"
+            elif k == "debias" and v in TTFT_DEBIAS:
+                settings["debias"] = v
             elif k == "batch_orders" and v in ("0", "1"):
                 settings["batch_orders"] = v == "1"
             elif k == "causal_group" and int(v) >= 1:
@@ -118,8 +125,9 @@ def parse_variant(spec: str) -> dict:
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
-                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,batch_orders=0|1,taper=J:T,"
-                     "causal_group=G,gemm=bf16|int8,anchor=N, or block/anchor=N,measured=0|1,batch_orders=0|1")
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,debias=M,batch_orders=0|1,"
+                     "taper=J:T,causal_group=G,gemm=bf16|int8,anchor=N, or block/anchor=N,measured=0|1,debias=M,"
+                     f"batch_orders=0|1 (M: {' or '.join(TTFT_DEBIAS)})")
 
 
 def split_variants(text: str) -> list[str]:
@@ -269,7 +277,8 @@ def ttft_part(qa, records, idx, variants, n_passages: int, seed: int, repeats: i
             kw["recompute_select"] = (1,)
         if spec == "full":
             qa.engine.clear_memo()
-        debias = "calibrate+reorder" if kw.pop("measured", False) else "none"
+        measured = kw.pop("measured", False)
+        debias = kw.pop("debias", None) or ("calibrate+reorder" if measured else "none")
         return answer(qa, question, ps, max_new_tokens=decode_tokens, debias=debias, **kw).timings
 
     times = {v: [] for v in variants}
@@ -433,6 +442,8 @@ def main(argv=None) -> int:
         raise SystemExit("measured=1 is a setting of --part kl and --part ttft only")
     if args.part == "kl" and any(v.startswith("block/") and parse_variant(v).get("measured") for v in variants):
         raise SystemExit("block/measured=1 is a setting of --part ttft only")
+    if args.part != "ttft" and any("debias" in parse_variant(v) for v in variants):
+        raise SystemExit("debias=M is a setting of --part ttft only")
     if args.decode_tokens < 1:
         raise SystemExit(f"--decode-tokens {args.decode_tokens}: use 1 or more")
     positions = [int(p) for p in args.positions.split(",")]
