@@ -212,3 +212,29 @@ def test_bench_recompute_ttft_part_decodes_the_asked_tokens(tmp_path, tiny_model
     assert any("mm" in op or "linear" in op for op in res["profile"]["block"])
     with pytest.raises(SystemExit, match="--decode-tokens 0"):
         main(["--part", "ttft", "--decode-tokens", "0", "--out", str(out)])
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(not (SHARED_DATA / "nq-open-oracle.jsonl.gz").exists(), reason="needs ../shared/data")
+def test_bench_block_ttft_part_runs_full_attention_exactly_and_takes_the_recipe(tmp_path, tiny_model_dir, monkeypatch):
+    """bench_block --part ttft: every full-attention run is an exact prefill (the memo cleared first), every
+    answer uses --debias, and block+recompute runs at --recompute-ratio."""
+    import json
+
+    from ldqa.app.api import LongDocQA
+    from ldqa.attention.engine import Engine
+    from ldqa.eval.bench.bench_block import main
+
+    cleared, asked = [], []
+    real_clear, real_answer = Engine.clear_memo, LongDocQA.answer
+    monkeypatch.setattr(Engine, "clear_memo", lambda self: (cleared.append(1), real_clear(self))[1])
+    monkeypatch.setattr(LongDocQA, "answer", lambda self, *a, **kw: (asked.append(kw), real_answer(self, *a, **kw))[1])
+    out = tmp_path / "o"
+    assert main(["--part", "ttft", "--model", str(tiny_model_dir("qwen2")), "--sizes", "600", "--repeats", "2",
+                 "--recompute-ratio", "0.2", "--out", str(out)]) == 0
+    row = json.loads((out / "results-ttft.json").read_text())["ttft"][0]
+    assert set(row["median_ttft_ms"]) == {"full", "block_cold", "block_warm", "block_warm_fresh_headers",
+                                          "block+recompute@0.2_warm"}
+    assert row["runs"] == 2 and len(cleared) == 2  # one clear per full-attention run
+    assert {kw["debias"] for kw in asked} == {"none"}
+    assert {kw["recompute_ratio"] for kw in asked if kw["attention"] == "block+recompute"} == {0.2}

@@ -1,9 +1,12 @@
 """Block-reusable KV states vs full attention, same model, same prompts, one process (docs/attention.md).
 
 Two parts, each selectable:
-  ttft      TTFT of full prefill vs block reuse with a cold store vs a warm store (and block+recompute,
-            warm) at total contexts of about 2K/4K/8K/16K tokens (k NQ passages of ~150-250 tokens plus
-            a question); median of --repeats runs; ratios full / block.
+  ttft      TTFT of full prefill vs block reuse with a cold store vs a warm store (and block+recompute
+            at --recompute-ratio, warm) at total contexts of about 2K/4K/8K/16K tokens (k NQ passages of
+            ~150-250 tokens plus a question); median of --repeats runs (a third of them above 8K); ratios
+            full / block. Full attention's memo of exact prefills is cleared before each of its runs.
+            Every mode answers with --debias (default none: the block modes' default, calibrate+reorder,
+            would first fit a position bias curve for each size's passage count, 30-130 passages).
   accuracy  NQ-open multi-doc (eval/nq.py: gold + distractors from other questions' gold passages that
             contain no answer; gold at a seeded random position), best-subspan EM, for every mode in
             --modes (full, block:cached|fresh, block+recompute@R:cached|fresh: how passage headers are
@@ -40,7 +43,7 @@ def _mode(spec: str) -> tuple[str, float | None, str | None]:
     return name, (float(r) if r else None), (headers or None)
 
 
-def ttft_part(qa, records, sizes, repeats, seed) -> list[dict]:
+def ttft_part(qa, records, sizes, repeats, seed, debias: str = "none", ratio: float = 0.3) -> list[dict]:
     tok = qa.llm.tokenizer
     rng = random.Random(seed)
     rows = []
@@ -55,8 +58,10 @@ def ttft_part(qa, records, sizes, repeats, seed) -> list[dict]:
         res = {}
 
         def run(mode, ratio=None, headers=None):
+            if mode == "full":
+                qa.engine.clear_memo()  # an exact prefill every time
             ans = qa.answer(q["question"], passages, attention=mode, max_new_tokens=1, recompute_ratio=ratio,
-                            block_headers=headers)
+                            block_headers=headers, debias=debias)
             return ans.timings
 
         res["full"] = [run("full")["ttft_ms"] for _ in range(reps)]
@@ -71,9 +76,9 @@ def ttft_part(qa, records, sizes, repeats, seed) -> list[dict]:
             assert t["kv_hits"] == len(passages), t
             warm.append(t["ttft_ms"])
             warm_fresh.append(run("block", headers="fresh")["ttft_ms"])
-            rec.append(run("block+recompute", 0.15)["ttft_ms"])
+            rec.append(run("block+recompute", ratio)["ttft_ms"])
         res |= {"block_cold": cold, "block_warm": warm, "block_warm_fresh_headers": warm_fresh,
-                "block+recompute@0.15_warm": rec}
+                f"block+recompute@{ratio}_warm": rec}
         prompt_tokens = t["prompt_tokens"]
         med = {k: statistics.median(v) for k, v in res.items()}
         row = {"target_tokens": size, "prompt_tokens": prompt_tokens, "passages": len(passages), "runs": reps,
@@ -140,6 +145,9 @@ def main(argv=None) -> int:
                                          "block+recompute@0.05:fresh,block+recompute@0.15:fresh,"
                                          "block+recompute@0.3:fresh")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--debias", default="none", help="the ttft part's debias method for every mode (default none)")
+    ap.add_argument("--recompute-ratio", type=float, default=0.3,
+                    help="the ttft part's block+recompute ratio (default 0.3, the API's)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=Path("out/bench-block"))
     ap.add_argument("--store", type=Path, default=None,
@@ -158,7 +166,8 @@ def main(argv=None) -> int:
     result = {"model": qa.model_name, "seed": args.seed, "threads": __import__("torch").get_num_threads(),
               "self_check": {"enabled": qa.block_runtime.enabled, "reason": qa.block_runtime.disabled_reason}}
     if args.part in ("ttft", "all"):
-        result["ttft"] = ttft_part(qa, records, [int(s) for s in args.sizes.split(",")], args.repeats, args.seed)
+        result["ttft"] = ttft_part(qa, records, [int(s) for s in args.sizes.split(",")], args.repeats, args.seed,
+                                   args.debias, args.recompute_ratio)
     if args.part in ("accuracy", "all"):
         modes = args.modes.split(",")
         result["accuracy"] = {f"{args.passages}_passages": accuracy_part(
