@@ -237,4 +237,5 @@ def test_bench_block_ttft_part_runs_full_attention_exactly_and_takes_the_recipe(
                                           "block+recompute@0.2_warm"}
     assert row["runs"] == 2 and len(cleared) == 2  # one clear per full-attention run
     assert {kw["debias"] for kw in asked} == {"none"}
-    assert {kw["recompute_ratio"] for kw in asked if kw["attention"] == "block+recompute"} == {0.2}
+    recompute = [kw for kw in asked if kw["attention"] == "block+recompute"]
+    assert len(recompute) == 4 and {kw["recompute_ratio"] for kw in recompute} == {0.2}  # an untimed run first
