@@ -5,7 +5,8 @@ Two parts, each selectable:
             at --recompute-ratio, warm) at total contexts of about 2K/4K/8K/16K tokens (k NQ passages of
             ~150-250 tokens plus a question); median of --repeats runs (a third of them above 8K); ratios
             full / block. block+recompute answers once untimed first, so the blocks of its own anchor
-            passages (`block_attention.anchor_passages_of`) are stored when it is timed. Full attention's memo of exact prefills is cleared before each of its runs.
+            passages (`block_attention.anchor_passages_of`) are stored when it is timed. Full attention's
+            memo of exact prefills is cleared before each of its runs.
             Every mode answers with --debias (default none: the block modes' default, calibrate+reorder,
             would first fit a position bias curve for each size's passage count, 30-130 passages).
   accuracy  NQ-open multi-doc (eval/nq.py: gold + distractors from other questions' gold passages that
@@ -44,7 +45,7 @@ def _mode(spec: str) -> tuple[str, float | None, str | None]:
     return name, (float(r) if r else None), (headers or None)
 
 
-def ttft_part(qa, records, sizes, repeats, seed, debias: str = "none", ratio: float = 0.3) -> list[dict]:
+def ttft_part(qa, records, sizes, repeats, seed, debias: str = "none", recompute_ratio: float = 0.3) -> list[dict]:
     tok = qa.llm.tokenizer
     rng = random.Random(seed)
     rows = []
@@ -77,12 +78,12 @@ def ttft_part(qa, records, sizes, repeats, seed, debias: str = "none", ratio: fl
             assert t["kv_hits"] == len(passages), t
             warm.append(t["ttft_ms"])
             warm_fresh.append(run("block", headers="fresh")["ttft_ms"])
-            run("block+recompute", ratio)  # its blocks (encoded after its own anchor passages) stored: untimed
-            t_rec = run("block+recompute", ratio)
+            run("block+recompute", recompute_ratio)  # its blocks (after its own anchor passages) stored: untimed
+            t_rec = run("block+recompute", recompute_ratio)
             assert t_rec["kv_hits"] == len(passages), t_rec
             rec.append(t_rec["ttft_ms"])
         res |= {"block_cold": cold, "block_warm": warm, "block_warm_fresh_headers": warm_fresh,
-                f"block+recompute@{ratio}_warm": rec}
+                f"block+recompute@{recompute_ratio}_warm": rec}
         prompt_tokens = t["prompt_tokens"]
         med = {k: statistics.median(v) for k, v in res.items()}
         row = {"target_tokens": size, "prompt_tokens": prompt_tokens, "passages": len(passages), "runs": reps,
