@@ -78,6 +78,10 @@ SELECT_SCORE = "mean"
 # Off: on the default model it loses to recomputing fewer tokens through every layer (KL to full attention
 # 0.091 at the default's work against 0.030; docs/results.md, "Block reuse: where the points go")
 TAPER = None
+# At most this many passage tokens recomputed by block+recompute, whatever the ratio (None: no cap): the
+# share falls as the context grows past RECOMPUTE_MAX_TOKENS / ratio tokens, so the recompute's time stops
+# growing with it (`capped_ratio`)
+RECOMPUTE_MAX_TOKENS = None
 # Whether block modes encode a chunk of a long document after its document's anchor (its first chunk;
 # `PromptSegments.anchors`, Star Attention) by default
 DEFAULT_ANCHORS = False
@@ -202,6 +206,18 @@ def reencode_keys_(model, keys: torch.Tensor, delta: int) -> torch.Tensor:
     return keys
 
 
+def capped_ratio(ratio: float, n_passage: int, max_tokens: int | None) -> float:
+    """The share of `n_passage` passage tokens block+recompute recomputes: `ratio`, lowered so that at most
+    `max_tokens` tokens are chosen (None: `ratio` as given). A fixed token budget past a length instead of
+    a fixed share keeps the recompute's time from growing with the context (CacheBlend, Yao et al. 2025,
+    recomputes a fixed share, sec. 4.3). Raises ValueError for a negative `max_tokens`."""
+    if max_tokens is None or n_passage <= 0:
+        return ratio
+    if max_tokens < 0:
+        raise ValueError(f"recompute_max_tokens must be >= 0 or None, got {max_tokens}")
+    return min(ratio, max_tokens / n_passage)
+
+
 @dataclass
 class BlockRuntime:
     """Builds KV caches from reusable blocks for one model and one shared prefix.
@@ -224,6 +240,9 @@ class BlockRuntime:
     select_skip_first: bool = False  # "question" selection: never the first passage (nearly exact as stored)
     # "question" selection: (layer, ratio) of gradual filtering; the module's TAPER when the runtime is made
     taper: tuple[int, float] | None = field(default_factory=lambda: TAPER)
+    # block+recompute: at most this many passage tokens recomputed (`capped_ratio`); the module's
+    # RECOMPUTE_MAX_TOKENS when the runtime is made
+    recompute_max_tokens: int | None = field(default_factory=lambda: RECOMPUTE_MAX_TOKENS)
     # block+recompute's GEMM for the passage tokens it recomputes and for its ranking passes (`choices.
     # RECOMPUTE_GEMMS`): "int8" multiplies them with the int8 prefill GEMM (`quant.int8_lead_rows`), the
     # question's own rows staying bf16; the engine sets the model's (`choices.recompute_gemm`)
@@ -492,8 +511,8 @@ class BlockRuntime:
             spans.append((at if headers == "cached" else start, start + len(body)))
             slot_ids += header + body
         if mode == "block+recompute" and (recompute_ratio > 0 or isinstance(select, tuple)):
-            ranked = self._choose(select, cache, slot_ids, spans, fresh, recompute_ratio, segments.question,
-                                  scores)
+            ratio = capped_ratio(recompute_ratio, sum(b - a for a, b in spans), self.recompute_max_tokens)
+            ranked = self._choose(select, cache, slot_ids, spans, fresh, ratio, segments.question, scores)
             chosen = sorted(ranked)
             if select == "question" and self.taper is not None and ranked:
                 layer, r = self.taper

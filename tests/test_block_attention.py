@@ -316,6 +316,38 @@ def test_question_selection_takes_the_budget_over_the_whole_context_in_windows(l
         assert len(starts) <= -(-len(chosen) // 4) + len(spans)
 
 
+@pytest.mark.parametrize("select", ["question", "lead", "deviation"])
+def test_recompute_max_tokens_caps_the_recomputed_tokens_and_keeps_the_best_of_them(lm, select):
+    """recompute_max_tokens: at most that many passage tokens recomputed whatever the ratio (the share
+    falls with the context's length); under it the ratio's own count; "question" keeps the best-ranked
+    windows of the uncapped choice."""
+    from ldqa.attention.block_attention import capped_ratio
+
+    seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
+    n = sum(b - a for a, b in _spans(seg))
+    rt = BlockRuntime(lm.model, "fp")
+    _, whole = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.5, select=select)
+    rt.recompute_max_tokens = 12
+    _, capped = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.5, select=select)
+    if select == "question":
+        assert capped.tokens_recomputed == 12 < whole.tokens_recomputed == round(0.5 * n)
+    else:  # per passage: each passage's share of the capped ratio, rounded
+        assert capped.tokens_recomputed <= 12 + len(PASSAGES) and capped.tokens_recomputed < whole.tokens_recomputed
+    rt.recompute_max_tokens = n
+    _, loose = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.5, select=select)
+    assert loose.tokens_recomputed == whole.tokens_recomputed
+    if select == "question":  # the capped choice is the head of the uncapped ranking
+        cache, _ = rt.assemble(seg, [None] * 3, mode="block")
+        slot_ids = seg.prefix + [t for h, b in zip(seg.headers, seg.passages) for t in h + b]
+        best = rt._select_by_question(cache, slot_ids, _spans(seg), [], 12 / n, seg.question)
+        top = rt._select_by_question(cache, slot_ids, _spans(seg), [], 0.5, seg.question)
+        assert set(best) <= set(top) and len(best) == 12
+    assert capped_ratio(0.3, 1000, None) == 0.3 and capped_ratio(0.3, 1000, 600) == 0.3
+    assert round(capped_ratio(0.3, 4000, 600) * 4000) == 600
+    with pytest.raises(ValueError, match="recompute_max_tokens"):
+        capped_ratio(0.3, 1000, -1)
+
+
 def test_question_selection_follows_the_question_s_attention(lm):
     """The chosen windows are the ones the question's queries attend to most (recorded and scored
     independently here with the same formula)."""

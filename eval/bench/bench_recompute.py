@@ -28,7 +28,9 @@ Variants (--variants, comma-separated):
                             gemm=int8q the question's rows of the final pass too, but the last row at the
                             last layer (`BlockRuntime.question_int8`);
                             anchor=N encodes every passage block after N anchor passages
-                            (`prompt.anchor_ids`; also `block/anchor=N`)
+                            (`prompt.anchor_ids`; also `block/anchor=N`);
+                            max_tokens=T recomputes at most T passage tokens, the share falling past
+                            T / R tokens (`BlockRuntime.recompute_max_tokens`)
   oracle                    block+recompute of the gold passage whole (the answer's passage), nothing else
 Recomputing every token (e.g. question@1.0) must give full attention's answers: `same_as_full` says how
 many do. The passages' blocks are stored before a question's variants run, so every TTFT is warm. Per variant: EM by gold position, the paired difference from full (points, SE), answers that
@@ -112,6 +114,8 @@ def parse_variant(spec: str) -> dict:
                 settings["question_int8"] = v == "int8q"
             elif k == "anchor" and v.isdigit():
                 settings["anchor_passages"] = int(v)
+            elif k == "max_tokens" and v.isdigit():
+                settings["recompute_max_tokens"] = int(v)
             elif k == "taper":
                 j, _, t = v.partition(":")
                 if int(j) < 1 or not 0 <= float(t) <= 1:
@@ -126,7 +130,7 @@ def parse_variant(spec: str) -> dict:
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
                      "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,debias=M,batch_orders=0|1,"
-                     "taper=J:T,causal_group=G,gemm=bf16|int8,anchor=N, or block/anchor=N,measured=0|1,debias=M,"
+                     "taper=J:T,causal_group=G,gemm=bf16|int8,anchor=N,max_tokens=T, or block/anchor=N,measured=0|1,debias=M,"
                      f"batch_orders=0|1 (M: {' or '.join(TTFT_DEBIAS)})")
 
 
@@ -141,7 +145,7 @@ def split_variants(text: str) -> list[str]:
 
 
 SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "taper",
-             "recompute_gemm", "question_int8")  # what a variant may set
+             "recompute_gemm", "question_int8", "recompute_max_tokens")  # what a variant may set
 
 
 @contextmanager
@@ -344,7 +348,8 @@ def measured(qa, ps: list, question: str, chat, rng: random.Random, anchor: list
 
 def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: int) -> dict:
     """How close each variant's next-token distributions come to full attention's, without generating:
-    for each question of `idx` (gold at 1, 5, 10 in turn), full attention answers greedily for
+    for each question of `idx` (gold first, in the middle and last in turn: 1, 5, 10 of 10 passages),
+    full attention answers greedily for
     `new_tokens` tokens; every other variant is teacher-forced on those tokens. Per variant: the mean
     KL(full || variant) over those positions (nats) with its SE over questions, how often the two agree
     on the most likely token, and the mean tokens recomputed. A cheap, low-variance proxy for the
@@ -363,7 +368,7 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
     chat = qa.chat_format(None)
     per = {v: [] for v in variants if v != "full"}
     for j, i in enumerate(tqdm(idx, desc="questions", file=sys.stderr)):
-        pos = (1, 5, 10)[j % 3] if n_passages >= 10 else 1
+        pos = (1, (n_passages + 1) // 2, n_passages)[j % 3] if n_passages >= 10 else 1
         ex = multidoc_example(records, i, n_passages, pos, seed)
         ps = [Passage(p["title"], p["text"]) for p in ex["passages"]]
         seg = _build_prompt(tok, ps, ex["question"], SimpleNamespace(instruction=None, answer_prefix=None), chat)
@@ -424,7 +429,7 @@ def main(argv=None) -> int:
                     help="ttft: warm TTFT of each variant at --passages (gold first), --n questions x --repeats, "
                          "at the process's torch threads; kl: KL(full || variant) over full attention's first "
                          "--new-tokens answer tokens, --n questions from the end of the seeded order (none of "
-                         "the accuracy part's), gold at 1, 5, 10 in turn")
+                         "the accuracy part's), gold first, in the middle and last in turn (1, 5, 10 of 10)")
     ap.add_argument("--new-tokens", type=int, default=8, help="kl: answer tokens teacher-forced")
     ap.add_argument("--repeats", type=int, default=3, help="ttft: runs of each variant per question")
     ap.add_argument("--profile", action="store_true",
@@ -466,7 +471,8 @@ def main(argv=None) -> int:
                "variants": kl_part(qa, records, order[-args.n:], variants, args.passages, args.seed,
                                    args.new_tokens)}
         (args.out / "kl.json").write_text(json.dumps(res, indent=1))
-        print("| variant | KL(full || variant) (SE) | KL gold 1 / 5 / 10 | top-1 agreement | recomputed |\n"
+        gold = " / ".join(str(p) for p in ((1, (args.passages + 1) // 2, args.passages) if args.passages >= 10 else (1,)))
+        print(f"| variant | KL(full || variant) (SE) | KL gold {gold} | top-1 agreement | recomputed |\n"
               "|---|---|---|---|---|")
         for v, r in res["variants"].items():
             by = " / ".join(f"{x:.3f}" for x in r["kl_by_position"].values())
