@@ -454,8 +454,9 @@ class BlockRuntime:
 
         mode "block": bodies from stored blocks, re-encoded to their offsets.
         mode "block+recompute": also recompute the `recompute_ratio` fraction of the passage tokens (headers
-        and bodies) that `select` chooses (`SELECT_METHODS`, `_choose`), or the passages at the ranks of a
-        tuple `select` whole; ratio 1.0 recomputes every passage token and reproduces full attention.
+        and bodies; at most `recompute_max_tokens` of them, `capped_ratio`) that `select` chooses
+        (`SELECT_METHODS`, `_choose`), or the passages at the ranks of a tuple `select` whole; ratio 1.0
+        recomputes every passage token and reproduces full attention.
         headers "cached" (default): each rank's header ("Passage [n]") is a tiny block of its own, encoded
         once after the prefix and re-encoded to its offset like a body, so only the question is computed
         fresh (Block-Attention: every block but the last is encoded independently); "fresh": headers are

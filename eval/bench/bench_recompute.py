@@ -471,7 +471,8 @@ def main(argv=None) -> int:
                "variants": kl_part(qa, records, order[-args.n:], variants, args.passages, args.seed,
                                    args.new_tokens)}
         (args.out / "kl.json").write_text(json.dumps(res, indent=1))
-        gold = " / ".join(str(p) for p in ((1, (args.passages + 1) // 2, args.passages) if args.passages >= 10 else (1,)))
+        k = args.passages
+        gold = " / ".join(str(p) for p in ((1, (k + 1) // 2, k) if k >= 10 else (1,)))
         print(f"| variant | KL(full || variant) (SE) | KL gold {gold} | top-1 agreement | recomputed |\n"
               "|---|---|---|---|---|")
         for v, r in res["variants"].items():
