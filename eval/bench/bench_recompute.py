@@ -130,8 +130,8 @@ def parse_variant(spec: str) -> dict:
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
                      "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,debias=M,batch_orders=0|1,"
-                     "taper=J:T,causal_group=G,gemm=bf16|int8,anchor=N,max_tokens=T, or block/anchor=N,measured=0|1,debias=M,"
-                     f"batch_orders=0|1 (M: {' or '.join(TTFT_DEBIAS)})")
+                     "taper=J:T,causal_group=G,gemm=bf16|int8,anchor=N,max_tokens=T, or "
+                     f"block/anchor=N,measured=0|1,debias=M,batch_orders=0|1 (M: {' or '.join(TTFT_DEBIAS)})")
 
 
 def split_variants(text: str) -> list[str]:
@@ -349,10 +349,9 @@ def measured(qa, ps: list, question: str, chat, rng: random.Random, anchor: list
 def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: int) -> dict:
     """How close each variant's next-token distributions come to full attention's, without generating:
     for each question of `idx` (gold first, in the middle and last in turn: 1, 5, 10 of 10 passages),
-    full attention answers greedily for
-    `new_tokens` tokens; every other variant is teacher-forced on those tokens. Per variant: the mean
-    KL(full || variant) over those positions (nats) with its SE over questions, how often the two agree
-    on the most likely token, and the mean tokens recomputed. A cheap, low-variance proxy for the
+    full attention answers greedily for `new_tokens` tokens; every other variant is teacher-forced on
+    those tokens. Per variant: the mean KL(full || variant) over those positions (nats) with its SE over
+    questions, how often the two agree on the most likely token, and the mean tokens recomputed. A cheap, low-variance proxy for the
     accuracy part (paired EM needs hundreds of answers to resolve a few points)."""
     from types import SimpleNamespace
 
