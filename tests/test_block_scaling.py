@@ -230,18 +230,14 @@ def test_bench_block_ttft_part_runs_full_attention_exactly_and_takes_the_recipe(
     cleared, asked = [], []
     real_clear, real_answer = Engine.clear_memo, LongDocQA.answer
     monkeypatch.setattr(Engine, "clear_memo", lambda self: (cleared.append(1), real_clear(self))[1])
-    monkeypatch.setattr(LongDocQA, "answer", lambda self, *a, **kw: (
-        asked.append({**kw, "cap": self.block_runtime.recompute_max_tokens}), real_answer(self, *a, **kw))[1])
+    monkeypatch.setattr(LongDocQA, "answer", lambda self, *a, **kw: (asked.append(kw), real_answer(self, *a, **kw))[1])
     out = tmp_path / "o"
     assert main(["--part", "ttft", "--model", str(tiny_model_dir("qwen2")), "--sizes", "600", "--repeats", "2",
-                 "--recompute-ratio", "0.2", "--recompute-max-tokens", "16", "--out", str(out)]) == 0
+                 "--recompute-ratio", "0.2", "--out", str(out)]) == 0
     row = json.loads((out / "results-ttft.json").read_text())["ttft"][0]
     assert set(row["median_ttft_ms"]) == {"full", "block_cold", "block_warm", "block_warm_fresh_headers",
-                                          "block+recompute@0.2_warm", "block+recompute@0.2/max=16_warm"}
+                                          "block+recompute@0.2_warm"}
     assert row["runs"] == 2 and len(cleared) == 2  # one clear per full-attention run
     assert {kw["debias"] for kw in asked} == {"none"}
     recompute = [kw for kw in asked if kw["attention"] == "block+recompute"]
-    assert len(recompute) == 6 and {kw["recompute_ratio"] for kw in recompute} == {0.2}  # an untimed run first
-    assert sorted(kw["cap"] or 0 for kw in recompute) == [0, 0, 0, 0, 16, 16]  # the cap on its runs only
-    with pytest.raises(SystemExit, match="--recompute-max-tokens"):
-        main(["--part", "ttft", "--recompute-max-tokens", "-5", "--out", str(out)])
+    assert len(recompute) == 4 and {kw["recompute_ratio"] for kw in recompute} == {0.2}  # an untimed run first
