@@ -346,13 +346,19 @@ def measured(qa, ps: list, question: str, chat, rng: random.Random, anchor: list
     return measured_scores(ctxs[0], ctxs[1], [ps[i] for i in order], ps)
 
 
+def kl_positions(n_passages: int) -> tuple[int, ...]:
+    """The gold positions (1-based) the kl part takes in turn: first, middle and last of 10 or more
+    passages, else the first only."""
+    return (1, (n_passages + 1) // 2, n_passages) if n_passages >= 10 else (1,)
+
+
 def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: int) -> dict:
     """How close each variant's next-token distributions come to full attention's, without generating:
     for each question of `idx` (gold first, in the middle and last in turn: 1, 5, 10 of 10 passages),
     full attention answers greedily for `new_tokens` tokens; every other variant is teacher-forced on
     those tokens. Per variant: the mean KL(full || variant) over those positions (nats) with its SE over
-    questions, how often the two agree on the most likely token, and the mean tokens recomputed. A cheap, low-variance proxy for the
-    accuracy part (paired EM needs hundreds of answers to resolve a few points)."""
+    questions, how often the two agree on the most likely token, and the mean tokens recomputed. A cheap,
+    low-variance proxy for the accuracy part (paired EM needs hundreds of answers to resolve a few points)."""
     from types import SimpleNamespace
 
     import torch
@@ -367,7 +373,8 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
     chat = qa.chat_format(None)
     per = {v: [] for v in variants if v != "full"}
     for j, i in enumerate(tqdm(idx, desc="questions", file=sys.stderr)):
-        pos = (1, (n_passages + 1) // 2, n_passages)[j % 3] if n_passages >= 10 else 1
+        positions = kl_positions(n_passages)
+        pos = positions[j % len(positions)]
         ex = multidoc_example(records, i, n_passages, pos, seed)
         ps = [Passage(p["title"], p["text"]) for p in ex["passages"]]
         seg = _build_prompt(tok, ps, ex["question"], SimpleNamespace(instruction=None, answer_prefix=None), chat)
@@ -470,8 +477,7 @@ def main(argv=None) -> int:
                "variants": kl_part(qa, records, order[-args.n:], variants, args.passages, args.seed,
                                    args.new_tokens)}
         (args.out / "kl.json").write_text(json.dumps(res, indent=1))
-        k = args.passages
-        gold = " / ".join(str(p) for p in ((1, (k + 1) // 2, k) if k >= 10 else (1,)))
+        gold = " / ".join(map(str, kl_positions(args.passages)))
         print(f"| variant | KL(full || variant) (SE) | KL gold {gold} | top-1 agreement | recomputed |\n"
               "|---|---|---|---|---|")
         for v, r in res["variants"].items():
