@@ -38,9 +38,7 @@ class Context:
     runtime's `PrefillStats` (None for an exact prefill); queries: exact prefill only, layer ->
     (heads, question tokens, head_dim) recorded question queries (fp32); reused_prefill_ms: > 0 when the
     prefill was a copy of an earlier identical one, which took this long (ms); token_mass: a measured
-    context (`Engine.measure`), the question's attention per cache slot, (L,) on the CPU; ranking_mass:
-    a measured context of a model with ranking heads, each head's attention mass per passage, (heads, k)
-    on the CPU (`ranking_heads.head_masses`).
+    context (`Engine.measure`), the question's attention per cache slot, (L,) on the CPU.
     """
 
     prompt: PromptSegments
@@ -50,7 +48,6 @@ class Context:
     queries: dict | None = None
     reused_prefill_ms: float = 0.0
     token_mass: torch.Tensor | None = None
-    ranking_mass: torch.Tensor | None = None
 
 
 @dataclass

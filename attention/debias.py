@@ -23,8 +23,7 @@ Methods (`METHODS`):
   w_p; with equal relevance every w_p = 1 and the model is unchanged.
 - "calibrate+reorder": reorder the passages so the most relevant (by r) sit at the slots the model
   attends to most (by b), rebuild the context (block mode: stored blocks, RoPE re-encoded only), then
-  intervene as in "calibrate". With two orders on a model that has ranking heads (`ranking_heads`), the
-  order follows those heads' mass averaged over both orders instead of r (the weights still follow r).
+  intervene as in "calibrate".
 - Both calibrate methods can measure twice (`orders=2`, the default in block modes, `MEASURE_ORDERS`):
   in the given order and in the reversed order, r_p averaged over p's two slots (`two_order_relevance`),
   so no passage is judged only at a slot where a - b ranks poorly (block mode, 60 held-out NQ questions:
@@ -197,9 +196,7 @@ class DebiasStats:
     reused from the memo (ms); bias_curve_ms: the bias curve's lookup (ms); passage_weights (k,): the
     intervention's scale per passage; passage_attention_reversed (k,): each passage's mass measured in
     the reversed order (two orders); calibrated_relevance (k,); bucket_steps_chosen: per Attention
-    Buckets branch, the decode steps it chose; ranking_attention (k,): "calibrate+reorder" with two
-    orders on a model with ranking heads, the mass they gave each passage, averaged over both orders:
-    what the passages were ordered by (`ranking_heads`). The per-passage lists follow the final passage order;
+    Buckets branch, the decode steps it chose. The per-passage lists follow the final passage order;
     fields a method does not produce stay None and are left out of `to_dict`.
     """
 
@@ -212,11 +209,9 @@ class DebiasStats:
     passage_attention_reversed: list[float] | None = None
     calibrated_relevance: list[float] | None = None
     bucket_steps_chosen: list[int] | None = None
-    ranking_attention: list[float] | None = None
 
     _ORDER = ("bias_curve_ms", "passage_weights", "passage_attention_reversed", "calibrated_relevance",
-              "debias_ms", "debias_passes", "passage_attention", "reused_prefill_ms", "bucket_steps_chosen",
-              "ranking_attention")
+              "debias_ms", "debias_passes", "passage_attention", "reused_prefill_ms", "bucket_steps_chosen")
 
     def to_dict(self) -> dict:
         """The set fields, in the order `Answer.timings` has always listed them."""
@@ -491,15 +486,7 @@ def debiased_context(model, passages: list, cfg: DebiasConfig, max_new: int, mea
         measured = mass  # by slot, as measured: what "pearson" normalises by, with bias
         final = rebuild  # the measured contexts were the cheaper mode's: build the final order's
         if method == "calibrate+reorder":
-            rank = rel
-            ranked = getattr(first, "ranking_mass", None), getattr(rctx, "ranking_mass", None)
-            if ranked[0] is not None and ranked[1] is not None:
-                # the model's ranking heads, their mass averaged over two mirrored slots (`ranking_heads`)
-                rank = (ranked[0].mean(0) + ranked[1].mean(0).flip(0)) / 2
-                out.ranking_attention = rank.tolist()  # in the given order; reordered below
-            order = reorder_for_bias(rank, bias)
-            if out.ranking_attention is not None:
-                out.ranking_attention = [out.ranking_attention[i] for i in order]
+            order = reorder_for_bias(rel, bias)
             passages, rel, mass = [passages[i] for i in order], rel[order], mass[order]
             rev = rev[order] if rev is not None else None
             if not rebuild and order == list(range(k))[::-1] and rctx is not None:

@@ -169,22 +169,16 @@ class Engine:
     prefills (shared between engines of one collection; keys include the model's fingerprint);
     calibration: where bias curves' prompts come from (None: `bias_curve` raises RuntimeError);
     share_bucket_layers: Attention Buckets runs the layers below the first global one once for all its
-    branches (same answers, bit for bit); False runs each branch's whole prefill. ranking_heads: the
-    (layer, query head) pairs whose attention ranks passages in the block modes' two-order measurement
-    (`ranking_heads`); default: the model's bundled ones (`ranking_heads.ranking_heads`), None for none
-    (rank by every head's calibrated attention).
+    branches (same answers, bit for bit); False runs each branch's whole prefill.
     """
 
     def __init__(self, llm, kv_store=None, memo: PrefillMemo | None = None, calibration: Calibration | None = None,
-                 share_bucket_layers: bool = True, ranking_heads="bundled"):
-        from ldqa.attention.ranking_heads import ranking_heads as bundled_heads
-
+                 share_bucket_layers: bool = True):
         self.llm = llm
         self.kv_store = kv_store
         self.memo = memo if memo is not None else PrefillMemo()
         self.calibration = calibration
         self.share_bucket_layers = share_bucket_layers
-        self.ranking_heads = bundled_heads(getattr(llm, "name", "")) if ranking_heads == "bundled" else ranking_heads
         self._block_runtime = None
 
     @property
@@ -293,7 +287,7 @@ class Engine:
             ctx = self.build_context(passages, build, mode, block, max_new, rec)
             ctx.cache.policy = None
             queries = rec.queries
-        return ctx, _measured(model, ctx, queries, self.ranking_heads if mode.startswith("block") else None)
+        return ctx, _measured(model, ctx, queries)
 
     def measure_orders(self, orders: list[list], build, block: BlockConfig, max_new: int) -> list:
         """`measure` in plain "block" mode of the same passages in several orders (position debiasing's
@@ -306,8 +300,7 @@ class Engine:
             prompts, [[getattr(p, "chunk_id", None) for p in ps] for ps in orders],
             extra_capacity=max_new + CAPACITY_SLACK, record=True, headers=block.headers or DEFAULT_HEADERS)
         ctxs = [Context(prompt, cache, logits, stats) for prompt, (cache, logits, stats, _) in zip(prompts, built)]
-        return [(ctx, _measured(self.llm.model, ctx, queries, self.ranking_heads))
-                for ctx, (*_, queries) in zip(ctxs, built)]
+        return [(ctx, _measured(self.llm.model, ctx, queries)) for ctx, (*_, queries) in zip(ctxs, built)]
 
     def bias_curve(self, k: int, attention: str = "full", n_examples: int = 16, seed: int = 0,
                    block_headers: str | None = None, theta_scale: float = 1.0, anchor_passages: int | None = None
@@ -374,17 +367,13 @@ class Engine:
 __all__ = ["ATTENTION_MODES", "AttentionConfig", "Engine", "EngineContext", "Context", "PrefillMemo", "Calibration"]
 
 
-def _measured(model, ctx: Context, queries: dict, heads=None) -> torch.Tensor:
+def _measured(model, ctx: Context, queries: dict) -> torch.Tensor:
     """The question's attention mass per passage of `ctx` (k,) from its recorded `queries` (the question
-    is the prompt's last tokens in the cache); sets `ctx.token_mass`, the same per cache slot, and with
-    `heads` ((layer, head) pairs, `ranking_heads`) `ctx.ranking_mass`, their mass per passage, (heads, k)."""
+    is the prompt's last tokens in the cache); sets `ctx.token_mass`, the same per cache slot."""
     from ldqa.attention.debias import passage_mass
-    from ldqa.attention.ranking_heads import head_masses
     from ldqa.attention.segments import passage_spans
 
     L, n_q = ctx.cache.length, len(ctx.prompt.question)
-    spans, q_slots = passage_spans(ctx.prompt), torch.arange(L - n_q, L)
-    mass, ctx.token_mass = passage_mass(model, ctx.cache, queries, spans, q_slots, tokens=True)
-    if heads:
-        ctx.ranking_mass = head_masses(model, ctx.cache, queries, spans, q_slots, heads)
+    mass, ctx.token_mass = passage_mass(model, ctx.cache, queries, passage_spans(ctx.prompt),
+                                        torch.arange(L - n_q, L), tokens=True)
     return mass

@@ -74,16 +74,9 @@ def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None
     collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings(cfg)`
     (chunking, embedder, abstention threshold): its retriever is already in `Mode.key`, --top-k in
     `settings_hash`. Block modes whose blocks are encoded after anchor passages (--anchor-passages, else
-    the mode's `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``. Block modes under `calibrate+reorder` on a model
-    with ranking heads (`ldqa.attention.ranking_heads`; --model, else ldqa's default) add ``+rank=heads``."""
+    the mode's `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``."""
     key = _attention_key(m, retrieval_config, cfg.recompute_select if cfg is not None else None,
                          cfg.recompute_ratio if cfg is not None else None)
-    if m.attention.startswith("block") and m.debias == "calibrate+reorder":
-        from ldqa.attention.model_packages import DEFAULT_MODEL
-        from ldqa.attention.ranking_heads import ranking_heads
-
-        if ranking_heads((cfg.model if cfg is not None else None) or DEFAULT_MODEL):
-            key += "+rank=heads"  # the passages ordered by the model's ranking heads
     if cfg is not None and cfg.block_anchors and m.attention.startswith("block"):
         key += "+anchors"
     if m.attention.startswith("block"):  # the anchor passages its blocks are encoded after, when any

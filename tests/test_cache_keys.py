@@ -40,22 +40,13 @@ def _anchor(attention: str) -> str:
     return f"+anchor{n}" if n else ""
 
 
-def _rank(mode) -> str:
-    """A block mode's key suffix under calibrate+reorder when ldqa's default model has ranking heads."""
-    from ldqa.attention.model_packages import DEFAULT_MODEL
-    from ldqa.attention.ranking_heads import ranking_heads
-
-    ranked = mode[0].startswith("block") and mode[1] == "calibrate+reorder" and ranking_heads(DEFAULT_MODEL)
-    return "+rank=heads" if ranked else ""
-
-
 @pytest.mark.parametrize("mode", sorted(KEYS))
 def test_mode_cache_keys_keep_their_values(mode):
     """The recorded keys; block+recompute's carry its default recipe, and block modes' their default
     anchor passages, so answers of another recipe are not read as this one's."""
     measured = "+measured=block" if mode[0] == "block+recompute" and mode[1] != "none" else ""
     assert mode_cache_key(Mode(*mode)) == (KEYS[mode] + (_recipe() if mode[0] == "block+recompute" else "") + measured
-                                           + _anchor(mode[0]) + _rank(mode))
+                                           + _anchor(mode[0]))
 
 
 def test_a_changed_retrieval_setting_changes_the_key():
@@ -99,17 +90,3 @@ def test_anchor_passages_change_the_block_modes_keys_only():
     recompute = mode_cache_key(Mode("block+recompute", "calibrate+reorder"), cfg=cfg)  # each block mode's own
     assert recompute.endswith("+anchor3") and recompute[:-len("+anchor3")] == mode_cache_key(
         Mode("block+recompute", "calibrate+reorder"), cfg=zero) + _anchor("block+recompute")
-
-
-def test_ranking_heads_change_the_block_modes_calibrate_reorder_keys_of_models_that_have_them():
-    from ldqa.eval.harness import EvalConfig
-
-    def key(model, attention="block+recompute", debias="calibrate+reorder"):
-        return mode_cache_key(Mode(attention, debias), None, EvalConfig(benchmark="nq-multidoc", data="x", model=model))
-
-    assert "+rank=heads" in key("qwen2.5-coder-1.5b-instruct")
-    assert key(None) == key("qwen2.5-coder-1.5b-instruct")  # the default model
-    assert "+rank=heads" in key("qwen2.5-coder-1.5b-instruct", "block")  # before its +anchor3
-    assert "+rank=heads" not in key("gemma3-270m")  # no ranking heads: the keys it always had
-    assert "+rank=heads" not in key("qwen2.5-coder-1.5b-instruct", "full")
-    assert "+rank=heads" not in key("qwen2.5-coder-1.5b-instruct", debias="calibrate")
