@@ -372,8 +372,8 @@ def kl_part(qa, records, idx, variants, n_passages: int, seed: int, new_tokens: 
     model, tok, rt = qa.llm.model, qa.llm.tokenizer, qa.engine.block_runtime
     chat = qa.chat_format(None)
     per = {v: [] for v in variants if v != "full"}
+    positions = kl_positions(n_passages)
     for j, i in enumerate(tqdm(idx, desc="questions", file=sys.stderr)):
-        positions = kl_positions(n_passages)
         pos = positions[j % len(positions)]
         ex = multidoc_example(records, i, n_passages, pos, seed)
         ps = [Passage(p["title"], p["text"]) for p in ex["passages"]]
