@@ -72,6 +72,8 @@ class EvalConfig:
         (jsonl with a retriever: the chunks of a record's collection).
     anchor_passages : block modes encode every passage block after this many generic anchor passages
         (None: the mode's default, `block_attention.DEFAULT_ANCHOR_PASSAGES`).
+    debias_strength : the calibrate methods' intervention strength (>= 0; None: `debias.STRENGTH` of the
+        mode's calibration form); other debias methods ignore it. Part of the calibrate modes' cache keys.
     device, kv_dtype : where the LLM runs and its KV cache's dtype (`LongDocQA`'s; None: the device's
         default); unless cpu and fp32, both are part of `settings_hash`.
     """
@@ -100,6 +102,7 @@ class EvalConfig:
     recompute_select: str | None = None
     block_anchors: bool = False
     anchor_passages: int | None = None
+    debias_strength: float | None = None
     progress: bool = True
     max_length: int | None = None
     ray: str | None = None
@@ -267,4 +270,5 @@ def _validate(cfg: EvalConfig) -> list[Mode]:
         raise ValueError(f"--abstain-below {st['abstain_below']}: a cosine similarity, in {low}..{high} (0 turns it "
                          "off)")
     options.check("recompute_ratio", cfg.recompute_ratio)
+    options.check("debias_strength", cfg.debias_strength)
     return modes

@@ -232,6 +232,7 @@ def add_arguments(p) -> None:
                         "collection)")
     p.add_argument("--anchor-passages", type=int, default=None, choices=range(0, options.knob("anchor_passages").high + 1),
                    metavar="N", help=options.knob("anchor_passages").help)
+    p.add_argument("--debias-strength", type=float, default=None, help=options.knob("debias_strength").help)
     p.add_argument("--max-length", type=int, default=None,
                    help="jsonl: cut each context's middle (LongBench) so prompt + answer budget fit this many tokens")
     p.add_argument("--chunk-tokens", type=int, default=None,

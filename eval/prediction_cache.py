@@ -68,7 +68,7 @@ def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None
     """The cache key of mode `m`: `Mode.key`, and a hash of the settings its resolved `AttentionConfig`
     runs with where they have defaults that may change: for attention "retrieval" its `RetrievalConfig`
     (`RetrievalConfig()` unless given), for the calibrate methods their measurement orders, calibration
-    form and strength. A changed default (e.g. `top_k_keys`) thus recomputes those answers instead of
+    form and strength (--debias-strength where given). A changed default (e.g. `top_k_keys`) thus recomputes those answers instead of
     reading stale ones. The hashed dicts are built field by field here, not from `AttentionConfig`
     itself, so existing caches keep their keys (tests/test_cache_keys.py). A jsonl mode answered over per-record
     collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings(cfg)`
@@ -76,7 +76,8 @@ def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None
     `settings_hash`. Block modes whose blocks are encoded after anchor passages (--anchor-passages, else
     the mode's `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``."""
     key = _attention_key(m, retrieval_config, cfg.recompute_select if cfg is not None else None,
-                         cfg.recompute_ratio if cfg is not None else None)
+                         cfg.recompute_ratio if cfg is not None else None,
+                         cfg.debias_strength if cfg is not None else None)
     if cfg is not None and cfg.block_anchors and m.attention.startswith("block"):
         key += "+anchors"
     if m.attention.startswith("block"):  # the anchor passages its blocks are encoded after, when any
@@ -92,8 +93,9 @@ def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None
 
 
 def _attention_key(m: Mode, retrieval_config=None, recompute_select: str | None = None,
-                   recompute_ratio: float | None = None) -> str:
-    """`mode_cache_key` without the collection part; block+recompute adds its recipe,
+                   recompute_ratio: float | None = None, debias_strength: float | None = None) -> str:
+    """`mode_cache_key` without the collection part (`debias_strength`: --debias-strength, hashed with the
+    calibrate methods' settings, which resolve None to the default); block+recompute adds its recipe,
     ``+select=NAME@RATIO`` (`recompute_select` and `recompute_ratio`, else the defaults), unless it is
     CacheBlend's deviation at 0.15, the recipe of the keys without a suffix, and with a debias method
     that measures, ``+measured=block`` (where it measures the passages' attention)."""
@@ -102,7 +104,9 @@ def _attention_key(m: Mode, retrieval_config=None, recompute_select: str | None 
     from ldqa.attention.engine import AttentionConfig
     from ldqa.attention.debias import DebiasConfig
 
-    cfg = AttentionConfig(m.attention, retrieval=retrieval_config, debias=DebiasConfig(m.debias)).resolved()
+    strength = debias_strength if m.debias in ("calibrate", "calibrate+reorder") else None
+    cfg = AttentionConfig(m.attention, retrieval=retrieval_config,
+                          debias=DebiasConfig(m.debias, strength=strength)).resolved()
     select, ratio = recompute_select or cfg.block.select, cfg.block.recompute_ratio
     if recompute_ratio is not None:
         ratio = recompute_ratio

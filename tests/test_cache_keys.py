@@ -69,6 +69,21 @@ def test_a_recompute_recipe_other_than_deviation_at_0_15_changes_block_recompute
     assert mode_cache_key(Mode("full"), cfg=cfg) == KEYS[("full", "none", None)]
 
 
+def test_a_debias_strength_changes_the_calibrate_modes_keys_only():
+    from ldqa.attention.debias import STRENGTH
+    from ldqa.eval.harness import EvalConfig
+
+    strong = EvalConfig(benchmark="nq-multidoc", data="x", debias_strength=1.8)
+    default = EvalConfig(benchmark="nq-multidoc", data="x", debias_strength=STRENGTH["ratio"])
+    plain = EvalConfig(benchmark="nq-multidoc", data="x")
+    mode = Mode("block+recompute", "calibrate+reorder")
+    assert mode_cache_key(mode, cfg=default) == mode_cache_key(mode, cfg=plain) == mode_cache_key(mode)
+    assert mode_cache_key(mode, cfg=strong) != mode_cache_key(mode, cfg=plain)
+    assert mode_cache_key(Mode("block", "calibrate"), cfg=strong) != mode_cache_key(Mode("block", "calibrate"))
+    for m in (Mode("block+recompute", "sort"), Mode("full"), Mode("block", "none", "hybrid")):
+        assert mode_cache_key(m, cfg=strong) == mode_cache_key(m, cfg=plain)
+
+
 def test_block_anchors_change_the_block_modes_keys_only():
     from ldqa.eval.harness import EvalConfig
 

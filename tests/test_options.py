@@ -205,3 +205,21 @@ def test_the_eval_harness_reads_its_lists_from_the_options():
                                  recompute_select=(3,))
     with pytest.raises(ValueError, match="^recompute_ratio"):
         harness._validate(dataclasses.replace(cfg, data=__file__, recompute_select=None, recompute_ratio=2.0))
+
+
+def test_the_eval_harness_passes_the_debias_strength_to_the_calibrate_methods_only():
+    from ldqa.eval import harness
+    from ldqa.eval.answering import mode_options
+
+    p = argparse.ArgumentParser()
+    harness.add_arguments(p)
+    args = p.parse_args(["nq-multidoc", "--data", "x", "--debias-strength", "1.8"])
+    cfg = harness.EvalConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(harness.EvalConfig)})
+    assert cfg.debias_strength == 1.8
+    for debias in ("calibrate", "calibrate+reorder"):
+        assert mode_options(cfg, harness.Mode("block", debias), {}, 16).debias_strength == 1.8
+    for debias in ("none", "sort"):
+        assert mode_options(cfg, harness.Mode("block", debias), {}, 16).debias_strength is None
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="^debias_strength"):
+            harness._validate(dataclasses.replace(cfg, data=__file__, debias_strength=bad))
