@@ -166,7 +166,8 @@ def mode_options(cfg: EvalConfig, mode: Mode, ex: dict, max_new: int, **search):
     """The `AnswerOptions` example `ex` is answered with in `mode` (an ldqa attention mode, not "hf"):
     the mode's attention and debias method, the answer cap `max_new`, the example's own instruction and
     answer prefix, the block options of `_recompute_kw`, --debias-strength with the calibrate methods, and
-    `search` (top_k, retriever, abstain_below: `ask` over a collection). Raises ValueError naming an option whose value is not allowed."""
+    `search` (top_k, retriever, abstain_below: `ask` over a collection). Raises ValueError naming an
+    option whose value is not allowed."""
     from ldqa.app.options import AnswerOptions
 
     strength = {"debias_strength": cfg.debias_strength} if cfg.debias_strength is not None and \

@@ -69,9 +69,9 @@ def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None
     runs with where they have defaults that may change: for attention "retrieval" its `RetrievalConfig`
     (`RetrievalConfig()` unless given), for the calibrate methods their measurement orders, calibration
     form and strength (--debias-strength where given). A changed default (e.g. `top_k_keys`) thus
-    recomputes those answers instead of reading stale ones. The hashed dicts are built field by field here, not from `AttentionConfig`
-    itself, so existing caches keep their keys (tests/test_cache_keys.py). A jsonl mode answered over per-record
-    collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings(cfg)`
+    recomputes those answers instead of reading stale ones. The hashed dicts are built field by field
+    here, not from `AttentionConfig` itself, so existing caches keep their keys
+    (tests/test_cache_keys.py). A jsonl mode answered over per-record collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings(cfg)`
     (chunking, embedder, abstention threshold): its retriever is already in `Mode.key`, --top-k in
     `settings_hash`. Block modes whose blocks are encoded after anchor passages (--anchor-passages, else
     the mode's `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``."""
