@@ -65,16 +65,15 @@ def settings_hash(cfg: EvalConfig, fingerprint: str, max_new: int, chat=None, de
 
 
 def mode_cache_key(m: Mode, retrieval_config=None, cfg: EvalConfig | None = None) -> str:
-    """The cache key of mode `m`: `Mode.key`, and a hash of the settings its resolved `AttentionConfig`
-    runs with where they have defaults that may change: for attention "retrieval" its `RetrievalConfig`
-    (`RetrievalConfig()` unless given), for the calibrate methods their measurement orders, calibration
-    form and strength (--debias-strength where given). A changed default (e.g. `top_k_keys`) thus
-    recomputes those answers instead of reading stale ones. The hashed dicts are built field by field
-    here, not from `AttentionConfig` itself, so existing caches keep their keys
-    (tests/test_cache_keys.py). A jsonl mode answered over per-record collections (`Mode.collection`) adds ``+collection#`` and a hash of `collection_settings(cfg)`
-    (chunking, embedder, abstention threshold): its retriever is already in `Mode.key`, --top-k in
-    `settings_hash`. Block modes whose blocks are encoded after anchor passages (--anchor-passages, else
-    the mode's `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``."""
+    """The cache key of mode `m`: `Mode.key`, and a hash of the settings its resolved `AttentionConfig` runs with where
+    they have defaults that may change: for attention "retrieval" its `RetrievalConfig` (`RetrievalConfig()` unless
+    given), for the calibrate methods their measurement orders, calibration form and strength (--debias-strength
+    where given). A changed default (e.g. `top_k_keys`) thus recomputes those answers instead of reading stale ones.
+    The hashed dicts are built field by field here, not from `AttentionConfig` itself, so existing caches keep their
+    keys (tests/test_cache_keys.py). A jsonl mode answered over per-record collections (`Mode.collection`) adds
+    ``+collection#`` and a hash of `collection_settings(cfg)` (chunking, embedder, abstention threshold): its
+    retriever is already in `Mode.key`, --top-k in `settings_hash`. Block modes whose blocks are encoded after
+    anchor passages (--anchor-passages, else the mode's `DEFAULT_ANCHOR_PASSAGES`) add ``+anchorN``."""
     key = _attention_key(m, retrieval_config, cfg.recompute_select if cfg is not None else None,
                          cfg.recompute_ratio if cfg is not None else None,
                          cfg.debias_strength if cfg is not None else None)
