@@ -169,9 +169,10 @@ def mode_options(cfg: EvalConfig, mode: Mode, ex: dict, max_new: int, **search):
     `search` (top_k, retriever, abstain_below: `ask` over a collection). Raises ValueError naming an
     option whose value is not allowed."""
     from ldqa.app.options import AnswerOptions
+    from ldqa.attention.debias import DebiasConfig
 
     strength = {"debias_strength": cfg.debias_strength} if cfg.debias_strength is not None and \
-        mode.debias in ("calibrate", "calibrate+reorder") else {}
+        DebiasConfig(mode.debias).calibrates else {}
     return AnswerOptions(attention=mode.attention, debias=mode.debias, max_new_tokens=max_new,
                          instruction=ex.get("instruction"), answer_prefix=ex.get("answer_prefix", ""),
                          **_recompute_kw(cfg, mode, ex), **strength, **search)

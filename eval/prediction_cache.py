@@ -103,9 +103,10 @@ def _attention_key(m: Mode, retrieval_config=None, recompute_select: str | None 
     from ldqa.attention.engine import AttentionConfig
     from ldqa.attention.debias import DebiasConfig
 
-    strength = debias_strength if m.debias in ("calibrate", "calibrate+reorder") else None
-    cfg = AttentionConfig(m.attention, retrieval=retrieval_config,
-                          debias=DebiasConfig(m.debias, strength=strength)).resolved()
+    debias = DebiasConfig(m.debias)
+    if debias.calibrates and debias_strength is not None:
+        debias = DebiasConfig(m.debias, strength=debias_strength)
+    cfg = AttentionConfig(m.attention, retrieval=retrieval_config, debias=debias).resolved()
     select, ratio = recompute_select or cfg.block.select, cfg.block.recompute_ratio
     if recompute_ratio is not None:
         ratio = recompute_ratio
