@@ -71,6 +71,11 @@ SELECT_LAYERS = None
 # over heads ("last"); the layers' scores are averaged (`token_mass`). "mean": none measured better
 SELECT_SCORES = ("mean", "max", "last")
 SELECT_SCORE = "mean"
+# "question": how many passages, those whose slots the question scores highest in sum, are recomputed
+# whole before the windows take the rest of the budget (`BlockRuntime._top_windows`); 0: windows only.
+# 0: on the default model one passage whole nearly triples the KL to full attention at 30% (0.077 against
+# 0.028, 24 NQ-open prompts; docs/results.md, "The most attended passage whole")
+SELECT_WHOLE = 0
 # Gradual filtering of the recomputed tokens (CacheBlend, Yao et al. 2025, sec. 4.3: fewer tokens
 # recomputed at deeper layers): (layer j, ratio r) keeps only the best r share of the passage tokens,
 # by the "question" ranking, recomputed from layer j on; the others get exact K/V at layer j from the
@@ -239,6 +244,7 @@ class BlockRuntime:
     select_window: int = SELECT_WINDOW  # "question" selection: the windows' tokens
     select_score: str = SELECT_SCORE  # "question" selection: SELECT_SCORES
     select_skip_first: bool = False  # "question" selection: never the first passage (nearly exact as stored)
+    select_whole: int = field(default_factory=lambda: SELECT_WHOLE)  # "question": passages recomputed whole
     # "question" selection: (layer, ratio) of gradual filtering; the module's TAPER when the runtime is made
     taper: tuple[int, float] | None = field(default_factory=lambda: TAPER)
     # block+recompute: at most this many passage tokens recomputed (`capped_ratio`); the module's
@@ -642,21 +648,31 @@ class BlockRuntime:
         """The "question" selection's choice from per-slot scores `mass` (cache length,): passages cut into
         windows of `window` tokens from their start, a window's score its slots' sum, the best windows
         taken until round(ratio x passage tokens) slots are chosen (the last window may be cut); with
-        `select_skip_first`, never the first passage. Returns the chosen slots, sorted."""
+        `select_skip_first`, never the first passage; with `select_whole` = n, the n passages of the
+        largest summed score are taken whole first (cut at the budget), the windows of the others after.
+        Returns the chosen slots (with `select_whole`, whole passages first, then windows best first)."""
         n_total = sum(b - a for a, b in spans)
         budget = int(round(ratio * n_total))
         if budget == 0:
             return []
         if budget >= n_total:
             return [i for a, b in spans for i in range(a, b)]
+        open_spans = spans[1:] if self.select_skip_first and len(spans) > 1 else list(spans)
+        chosen = []
+        if self.select_whole > 0:
+            ranked = sorted(open_spans, key=lambda ab: -float(mass[ab[0]:ab[1]].sum()))
+            for a, b in ranked[:self.select_whole]:
+                chosen += range(a, min(b, a + budget - len(chosen)))
+            open_spans = ranked[self.select_whole:]
         windows = []  # (score, start, end)
-        for a, b in spans[1:] if self.select_skip_first and len(spans) > 1 else spans:
+        for a, b in open_spans:
             for w in range(a, b, window):
                 e = min(w + window, b)
                 windows.append((float(mass[w:e].sum()), w, e))
         windows.sort(key=lambda t: -t[0])
-        chosen = []
         for _, w, e in windows:
+            if len(chosen) >= budget:
+                break
             chosen += range(w, min(e, w + budget - len(chosen)))
             if len(chosen) >= budget:
                 break

@@ -386,6 +386,22 @@ def test_question_selection_can_leave_the_first_passage_alone(lm):
     assert not any(a <= i < b for i in got[True]) and any(a <= i < b for i in got[False])
 
 
+def test_question_selection_can_take_the_most_attended_passages_whole():
+    """select_whole=n: the n passages with the largest summed score first, whole and cut at the budget,
+    then the best windows of the others; the budget is the same."""
+    rt = BlockRuntime(None, "fp")
+    spans = [(0, 10), (10, 20), (20, 30), (30, 40)]
+    mass = torch.zeros(40)
+    mass[12:14], mass[25], mass[31] = 1.0, 0.5, 0.4  # passage 2 most, then 3, then 4
+    assert sorted(rt._top_windows(mass, spans, 0.3, 4)) == [*range(10, 14), *range(24, 28), *range(30, 34)]
+    rt.select_whole = 1
+    assert rt._top_windows(mass, spans, 0.3, 4) == [*range(10, 20), 24, 25]
+    rt.select_whole = 2  # the second passage cut at the 12-slot budget
+    assert rt._top_windows(mass, spans, 0.3, 4) == [*range(10, 20), 20, 21]
+    rt.select_skip_first, mass[2] = True, 9.0  # the first passage is never a candidate, whole or not
+    assert rt._top_windows(mass, spans, 0.3, 4) == [*range(10, 20), 20, 21]
+
+
 def test_token_mass_reductions(lm):
     """reduce="max" is each layer's largest probability over heads and question tokens, "last" the last
     question token's mean over heads; an unknown reduction is refused by name."""

@@ -13,9 +13,11 @@ Variants (--variants, comma-separated):
   question@R/K=V[,K=V]      the same with the selection's settings (`BlockRuntime`): layers=L ranks by
                             the first L layers only (the selection pass stops there), window=W tokens,
                             score=mean|max|last (`block_attention.SELECT_SCORES`), skip_first=1 never
-                            chooses the first passage; measured=1 (--part kl) ranks by the question's
-                            attention measured over the plain block cache in two other orders (a seeded
-                            shuffle and its reverse), as block+recompute does under calibrate+reorder
+                            chooses the first passage; whole=N recomputes the N passages the
+                            question attends to most whole, the windows taking the rest; measured=1
+                            (--part kl) ranks by the question's attention measured over the plain block
+                            cache in two other orders (a seeded shuffle and its reverse), as
+                            block+recompute does under calibrate+reorder
                             (--part ttft: the answer runs with calibrate+reorder; batch_orders=0
                             measures the two orders in a pass each, not in one batched pass);
                             debias=M (--part ttft; also block/debias=M) answers with debias method M,
@@ -101,6 +103,8 @@ def parse_variant(spec: str) -> dict:
                 settings["select_score"] = v
             elif k == "skip_first" and v in ("0", "1"):
                 settings["select_skip_first"] = v == "1"
+            elif k == "whole" and v.isdigit():
+                settings["select_whole"] = int(v)
             elif k == "measured" and v in ("0", "1"):
                 settings["measured"] = v == "1"
             elif k == "debias" and v in TTFT_DEBIAS:
@@ -129,7 +133,7 @@ def parse_variant(spec: str) -> dict:
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
-                     "question@R/layers=L,window=W,score=S,skip_first=0|1,measured=0|1,debias=M,batch_orders=0|1,"
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1,whole=N,measured=0|1,debias=M,batch_orders=0|1,"
                      "taper=J:T,causal_group=G,gemm=bf16|int8,anchor=N,max_tokens=T, or "
                      f"block/anchor=N,measured=0|1,debias=M,batch_orders=0|1 (M: {' or '.join(TTFT_DEBIAS)})")
 
@@ -144,7 +148,7 @@ def split_variants(text: str) -> list[str]:
     return re.split(rf",(?=(?:full|block|oracle)(?:,|$|/)|(?:{methods})@)", text)
 
 
-SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "taper",
+SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "select_whole", "taper",
              "recompute_gemm", "question_int8", "recompute_max_tokens")  # what a variant may set
 
 
