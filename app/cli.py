@@ -283,8 +283,9 @@ def cmd_demo(args) -> int:
                   f"| {_cell(ans.text, ok, ans.timings)}")
         print(f"  correct: {int(correct)}/{len(questions)} ({setting}) | {int(other_correct)}/{len(questions)} "
               f"({label})")
+    also = "" if args.no_compare else f"; {int(other_correct)}/{len(questions)} with {label}"
     print(f"\n== {int(correct)}/{len(questions)} answers contain the gold answer (best-subspan EM); "
-          f"{setting}; model {qa.model_name}, weights {qa.weights}, {qa.device}")
+          f"{setting}{also}; model {qa.model_name}, weights {qa.weights}, {qa.device}")
     if args.json:
         print(json.dumps(results, indent=1, default=str))
     return 0

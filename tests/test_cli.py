@@ -138,6 +138,8 @@ def test_demo_prints_a_second_setting_beside_the_first(tmp_path, tiny_model_dir)
         lines = side[1].splitlines()
         assert all(ln.count(" | ") == 2 for ln in lines[:n]), lines[:n]
         assert lines[n].startswith("  correct: ") and f"({second})" in lines[n]
+        assert f"answers contain the gold answer (best-subspan EM); {first}; " in r.stdout  # the last line:
+        assert f"/{n} with {second}; model " in r.stdout.splitlines()[-1]  # both settings' counts
     r = _ldqa("demo", "--model", model, "--max-new-tokens", "2", "--attention", "block", "--no-compare",
               "--store", tmp_path / "s2")
     assert r.returncode == 0, r.stderr
