@@ -674,8 +674,6 @@ class BlockRuntime:
             if len(chosen) >= budget:
                 break
             chosen += range(w, min(e, w + budget - len(chosen)))
-            if len(chosen) >= budget:
-                break
         return chosen
 
     def _select(self, cache: KVCache, slot_ids, spans, fresh, ratio: float) -> list[int]:

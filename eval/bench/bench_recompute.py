@@ -133,8 +133,8 @@ def parse_variant(spec: str) -> dict:
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
-                     "question@R/layers=L,window=W,score=S,skip_first=0|1,whole=N,measured=0|1,debias=M,batch_orders=0|1,"
-                     "taper=J:T,causal_group=G,gemm=bf16|int8,anchor=N,max_tokens=T, or "
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1,whole=N,measured=0|1,debias=M,"
+                     "batch_orders=0|1,taper=J:T,causal_group=G,gemm=bf16|int8,anchor=N,max_tokens=T, or "
                      f"block/anchor=N,measured=0|1,debias=M,batch_orders=0|1 (M: {' or '.join(TTFT_DEBIAS)})")
 
 
