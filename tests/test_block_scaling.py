@@ -120,11 +120,38 @@ def test_bench_block_scaling_runs_the_grid_with_plain_block_as_reference(tmp_pat
 
     out = tmp_path / "o"
     assert main(["--model", str(tiny_model_dir("qwen2")), "--n", "2", "--temperatures", "0.9",
-                 "--scales", "0.5", "--new-tokens", "2", "--out", str(out)]) == 0
+                 "--scales", "0.5", "--new-tokens", "2", "--layouts", "sequential,parallel", "--out", str(out)]) == 0
     res = json.loads((out / "bench-block-scaling.json").read_text())
-    assert {(r["temperature"], r["scale"]) for r in res["grid"]} == {(0.9, 0.5), (1.0, 1.0)}
-    assert res["plain_block"]["kl"] >= 0 and res["best"]["kl"] <= res["plain_block"]["kl"]
-    assert "| temperature | scale |" in capsys.readouterr().out
+    assert {(r["layout"], r["temperature"], r["scale"]) for r in res["grid"]} == {
+        (lay, t, s) for lay in ("sequential", "parallel") for t, s in ((0.9, 0.5), (1.0, 1.0))}
+    assert res["plain_block"]["layout"] == "sequential" and res["plain_block"]["kl"] >= 0
+    assert res["best"]["kl"] <= res["plain_block"]["kl"]
+    assert "| layout | temperature | scale |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--layouts"):
+        main(["--model", str(tiny_model_dir("qwen2")), "--layouts", "diagonal", "--out", str(out)])
+
+
+def test_parallel_layout_keeps_each_passage_where_it_was_encoded(tiny_model_dir):
+    """APE's parallel layout: every passage at the positions right after the prefix, the blocks as stored;
+    with one passage it is block mode's sequential cache, slot for slot."""
+    import torch
+
+    from ldqa.attention.segments import PromptSegments
+    from ldqa.eval.bench.bench_block_scaling import parallel_blocks
+
+    lm = load_model(str(tiny_model_dir("qwen2")))
+    rt = BlockRuntime(lm.model, "fp")
+    seg = PromptSegments(prefix=[1, 5, 6], headers=[[7, 8], [7, 9]], passages=[[20, 21, 22, 23], [30, 31, 32]],
+                         question=[40, 41])
+    cache, top = parallel_blocks(rt, seg)
+    assert cache.length == 3 + 6 + 5 and top == 3 + 6
+    assert cache.positions.tolist() == [0, 1, 2] + list(range(3, 9)) + list(range(3, 8))
+    one = PromptSegments(prefix=seg.prefix, headers=seg.headers[:1], passages=seg.passages[:1], question=[40])
+    par, _ = parallel_blocks(rt, one)
+    seq, _ = rt.assemble(one, [None], mode="block")
+    assert torch.equal(par.positions, seq.positions)
+    for layer in range(lm.model.cfg.num_layers):
+        assert torch.equal(par.keys(layer), seq.keys(layer)) and torch.equal(par.values(layer), seq.values(layer))
 
 
 @pytest.mark.bench
