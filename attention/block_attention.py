@@ -76,6 +76,10 @@ SELECT_SCORE = "mean"
 # 0: on the default model one passage whole nearly triples the KL to full attention at 30% (0.077 against
 # 0.028, 24 NQ-open prompts; docs/results.md, "The most attended passage whole")
 SELECT_WHOLE = 0
+# "question": the share of the passage tokens chosen in a second round (`BlockRuntime.select_refine`): the
+# rest of the budget is recomputed first, the question ranks the tokens again over that cache, and its best
+# windows among the tokens not yet recomputed join the final pass. 0: one round
+SELECT_REFINE = 0.0
 # Gradual filtering of the recomputed tokens (CacheBlend, Yao et al. 2025, sec. 4.3: fewer tokens
 # recomputed at deeper layers): (layer j, ratio r) keeps only the best r share of the passage tokens,
 # by the "question" ranking, recomputed from layer j on; the others get exact K/V at layer j from the
@@ -245,6 +249,7 @@ class BlockRuntime:
     select_score: str = SELECT_SCORE  # "question" selection: SELECT_SCORES
     select_skip_first: bool = False  # "question" selection: never the first passage (nearly exact as stored)
     select_whole: int = field(default_factory=lambda: SELECT_WHOLE)  # "question": passages recomputed whole
+    select_refine: float = field(default_factory=lambda: SELECT_REFINE)  # "question": second round's share
     # "question" selection: (layer, ratio) of gradual filtering; the module's TAPER when the runtime is made
     taper: tuple[int, float] | None = field(default_factory=lambda: TAPER)
     # block+recompute: at most this many passage tokens recomputed (`capped_ratio`); the module's
@@ -528,10 +533,14 @@ class BlockRuntime:
                 n_keep = int(round(r * n_passage))
                 if n_keep < len(ranked) < n_passage and 0 < layer < self.model.cfg.num_layers:
                     taper = (layer, set(ranked[n_keep:]))
+            done = set()
+            if select == "question" and self.select_refine > 0 and taper is None and ranked and not fresh:
+                done, second = self._refine(cache, slot_ids, spans, ranked, question=segments.question)
+                chosen = sorted(done | set(second))
             stats.tokens_recomputed = len(chosen)
             stats.header_tokens_reused -= sum(1 for i in chosen if origin[i] == "header")
             stats.tokens_reused -= sum(1 for i in chosen if origin[i] == "hit")
-            fresh = sorted(set(fresh) | set(chosen))
+            fresh = sorted(set(fresh) | (set(chosen) - done))
         if with_question:  # the question joins the same pass: placeholders at the end, computed below
             at, q = cache.length, segments.question
             hk = torch.zeros(pk.shape[0], pk.shape[1], len(q), pk.shape[3], dtype=pk.dtype, device=pk.device)
@@ -601,6 +610,59 @@ class BlockRuntime:
             return self._top_windows(mass, spans, ratio, self.select_window)
         return self._select_by_question(cache, slot_ids, spans, fresh, ratio, question)
 
+    def _refine(self, cache: KVCache, slot_ids, spans, ranked: list[int], question: list[int]
+                ) -> tuple[set, list[int]]:
+        """Two rounds of "question" selection (`select_refine`): of the len(ranked) slots the budget allows
+        (`ranked`, best first), all but round(select_refine x passage tokens) are recomputed now, in place
+        (int8 under the int8 `recompute_gemm`); the question then ranks the slots again over that cache
+        (`_question_mass`) and the best windows among the slots not yet recomputed fill the rest. Returns
+        (the slots recomputed here, the second round's slots), which the caller's final pass computes."""
+        n_passage = sum(b - a for a, b in spans)
+        n2 = min(int(round(self.select_refine * n_passage)), len(ranked))
+        first = sorted(ranked[:len(ranked) - n2])
+        if not first or n2 == 0:
+            return set(), list(ranked)
+        with self._gemm(len(first)):
+            self._recompute(cache, slot_ids, first)
+        mass = self._question_mass(cache, slot_ids, [], question)
+        done = set(first)
+        windows = []  # (score of the window's slots not yet recomputed, its open slots)
+        for a, b in spans:
+            for w in range(a, b, self.select_window):
+                open_ = [i for i in range(w, min(w + self.select_window, b)) if i not in done]
+                if open_:
+                    windows.append((float(mass[open_].sum()), open_))
+        windows.sort(key=lambda t: -t[0])
+        second = []
+        for _, open_ in windows:
+            if len(second) >= n2:
+                break
+            second += open_[:n2 - len(second)]
+        return done, second
+
+    def _question_mass(self, cache: KVCache, slot_ids, fresh, question: list[int]) -> torch.Tensor:
+        """The question's attention to each cache slot (cache length,): the question (and the `fresh`
+        slots) run once over the cache, in a ranking pass whose states are dropped, the probabilities
+        reduced as `_select_by_question` says."""
+        from ldqa.attention.debias import DebiasKV
+
+        length = cache.length
+        q_slots = list(range(length, length + len(question)))
+        k0 = cache.keys(0)  # (1, kv_heads, length, head_dim)
+        zeros = torch.zeros(cache.num_layers, k0.shape[1], len(question), k0.shape[3], dtype=k0.dtype,
+                            device=k0.device)
+        cache.extend(zeros, zeros.clone(), torch.arange(length, length + len(question)))
+        rec = DebiasKV(n_record=len(question), scale=self.model.cfg.attn_scale)
+        cache.policy = rec
+        try:
+            with prefill_gemm_as(self.recompute_gemm):  # a ranking pass: its states are dropped below
+                self._recompute(cache, slot_ids + list(question), sorted(fresh) + q_slots, self.select_layers)
+            return token_mass(self.model, cache, rec.queries, torch.tensor(q_slots), cache.length,
+                              self.select_score)[:length]
+        finally:
+            cache.policy = None
+            cache.truncate(length)
+
     def _select_by_question(self, cache: KVCache, slot_ids, spans, fresh, ratio: float, question: list[int],
                             window: int | None = None) -> list[int]:
         """Question-aware selection over the whole context (ProphetKV, A^3, CacheClip, 2025: rank context
@@ -617,8 +679,6 @@ class BlockRuntime:
         window may be cut). Cost: one pass of the question over the cache, plus (question tokens x cache
         length) scores per global layer.
         """
-        from ldqa.attention.debias import DebiasKV
-
         window = window or self.select_window
         n_total = sum(b - a for a, b in spans)
         budget = int(round(ratio * n_total))
@@ -626,22 +686,7 @@ class BlockRuntime:
             return []
         if budget >= n_total:
             return [i for a, b in spans for i in range(a, b)]
-        length = cache.length
-        q_slots = list(range(length, length + len(question)))
-        k0 = cache.keys(0)  # (1, kv_heads, length, head_dim)
-        zeros = torch.zeros(cache.num_layers, k0.shape[1], len(question), k0.shape[3], dtype=k0.dtype,
-                            device=k0.device)
-        cache.extend(zeros, zeros.clone(), torch.arange(length, length + len(question)))
-        rec = DebiasKV(n_record=len(question), scale=self.model.cfg.attn_scale)
-        cache.policy = rec
-        try:
-            with prefill_gemm_as(self.recompute_gemm):  # a ranking pass: its states are dropped below
-                self._recompute(cache, slot_ids + list(question), sorted(fresh) + q_slots, self.select_layers)
-            mass = token_mass(self.model, cache, rec.queries, torch.tensor(q_slots), cache.length,
-                              self.select_score)[:length]
-        finally:
-            cache.policy = None
-            cache.truncate(length)
+        mass = self._question_mass(cache, slot_ids, fresh, question)
         return self._top_windows(mass, spans, ratio, window)
 
     def _top_windows(self, mass: torch.Tensor, spans, ratio: float, window: int) -> list[int]:

@@ -402,6 +402,28 @@ def test_question_selection_can_take_the_most_attended_passages_whole():
     assert rt._top_windows(mass, spans, 0.3, 4) == [*range(10, 20), 20, 21]
 
 
+def test_two_round_selection_recomputes_the_same_budget_and_all_of_it_reproduces_full_attention(lm):
+    """select_refine: the budget is the same, the first round's slots are the head of the one-round
+    ranking, the second round's are other slots ranked over the cache with the first round recomputed; at
+    ratio 1.0 the two rounds recompute every token and give full attention's logits."""
+    seg = build_prompt(lm.tokenizer, PASSAGES, "When was fan No. 2 replaced?")
+    rt = BlockRuntime(lm.model, "fp")
+    n = sum(map(len, seg.passages)) + sum(map(len, seg.headers))
+    _, one = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.5)
+    rt.select_refine = 0.2
+    _, two = rt.assemble(seg, [None] * 3, mode="block+recompute", recompute_ratio=0.5)
+    assert two.tokens_recomputed == one.tokens_recomputed == round(0.5 * n)
+    cache, _ = rt.assemble(seg, [None] * 3, mode="block")
+    slot_ids = seg.prefix + [t for h, b in zip(seg.headers, seg.passages) for t in h + b]
+    ranked = rt._select_by_question(cache, slot_ids, _spans(seg), [], 0.5, seg.question)
+    done, second = rt._refine(cache, slot_ids, _spans(seg), ranked, seg.question)
+    assert done == set(ranked[:len(ranked) - round(0.2 * n)]) and len(second) == round(0.2 * n)
+    assert not done & set(second) and len(set(second)) == len(second)
+    _, exact, stats = rt.prefill(seg, [None] * 3, mode="block+recompute", recompute_ratio=1.0)
+    assert stats.tokens_recomputed == n
+    assert (exact[0, -1] - _full_logits(lm, seg.ids())[-1]).abs().max().item() < 1e-3
+
+
 def test_token_mass_reductions(lm):
     """reduce="max" is each layer's largest probability over heads and question tokens, "last" the last
     question token's mean over heads; an unknown reduction is refused by name."""

@@ -92,9 +92,10 @@ def test_bench_recompute_variants_and_paired_summary():
         "select_layers": 14, "select_window": 8, "select_score": "max", "select_skip_first": True}
     assert parse_variant("question@0.3/max_tokens=512")["recompute_max_tokens"] == 512
     assert parse_variant("question@0.3/whole=1")["select_whole"] == 1
+    assert parse_variant("question@0.3/refine=0.1")["select_refine"] == 0.1
     for bad in ("question@0.3/max_tokens=-1", "question@0.3/max_tokens=x", "question@2", "random@0.1", "question",
                 "question@0.3/layers=0", "question@0.3/layers=x",
-                "question@0.3/score=median", "question@0.3/14", "question@0.3/skip_first=2", "question@0.3/whole=-1",
+                "question@0.3/score=median", "question@0.3/14", "question@0.3/skip_first=2", "question@0.3/whole=-1", "question@0.3/refine=2",
                 "lead@0.1/window=4"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad)

@@ -14,7 +14,9 @@ Variants (--variants, comma-separated):
                             the first L layers only (the selection pass stops there), window=W tokens,
                             score=mean|max|last (`block_attention.SELECT_SCORES`), skip_first=1 never
                             chooses the first passage; whole=N recomputes the N passages the
-                            question attends to most whole, the windows taking the rest; measured=1
+                            question attends to most whole, the windows taking the rest; refine=F
+                            chooses the share F of the passage tokens in a second round, ranked again
+                            over the cache with the rest recomputed (`BlockRuntime.select_refine`); measured=1
                             (--part kl) ranks by the question's attention measured over the plain block
                             cache in two other orders (a seeded shuffle and its reverse), as
                             block+recompute does under calibrate+reorder
@@ -105,6 +107,8 @@ def parse_variant(spec: str) -> dict:
                 settings["select_skip_first"] = v == "1"
             elif k == "whole" and v.isdigit():
                 settings["select_whole"] = int(v)
+            elif k == "refine" and 0 <= float(v) <= 1:
+                settings["select_refine"] = float(v)
             elif k == "measured" and v in ("0", "1"):
                 settings["measured"] = v == "1"
             elif k == "debias" and v in TTFT_DEBIAS:
@@ -133,7 +137,7 @@ def parse_variant(spec: str) -> dict:
         return {"attention": "block+recompute", "recompute_select": name, "recompute_ratio": r, **settings}
     raise ValueError(f"variant {spec!r}: use full, block, oracle, SELECT@R with SELECT one of "
                      f"{', '.join(SELECT_METHODS)} and R in [0, 1], or "
-                     "question@R/layers=L,window=W,score=S,skip_first=0|1,whole=N,measured=0|1,debias=M,"
+                     "question@R/layers=L,window=W,score=S,skip_first=0|1,whole=N,refine=F,measured=0|1,debias=M,"
                      "batch_orders=0|1,taper=J:T,causal_group=G,gemm=bf16|int8,anchor=N,max_tokens=T, or "
                      f"block/anchor=N,measured=0|1,debias=M,batch_orders=0|1 (M: {' or '.join(TTFT_DEBIAS)})")
 
@@ -148,8 +152,8 @@ def split_variants(text: str) -> list[str]:
     return re.split(rf",(?=(?:full|block|oracle)(?:,|$|/)|(?:{methods})@)", text)
 
 
-SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "select_whole", "taper",
-             "recompute_gemm", "question_int8", "recompute_max_tokens")  # what a variant may set
+SELECTION = ("select_layers", "select_window", "select_score", "select_skip_first", "select_whole", "select_refine",
+             "taper", "recompute_gemm", "question_int8", "recompute_max_tokens")  # what a variant may set
 
 
 @contextmanager
