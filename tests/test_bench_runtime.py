@@ -142,3 +142,42 @@ def test_bench_decode_matrices_times_every_matrix_kind(tiny_model_dir, tmp_path)
     assert all(r["ms"] > 0 and r["bytes"] > 0 and r["count"] == (1 if r["matrix"] == "lm_head" else 3)
                for r in res["rows"])
     assert res["decode_step_ms"] > 0
+
+
+def test_clustered_standard_error_by_question():
+    """One observation per cluster: the usual stdev / sqrt(n); answers of one question moving together
+    widen it; worked by hand for two clusters of two."""
+    import statistics
+
+    from ldqa.eval.bench.compare_weights import clustered_se
+
+    d = [1.0, 0.0, -1.0, 0.0, 1.0]
+    assert clustered_se(d, list("abcde")) == pytest.approx(statistics.stdev(d) / len(d) ** 0.5)
+    # mean 0.5; cluster sums of (d - mean): a: 0.5 + 0.5 = 1, b: -0.5 - 0.5 = -1 -> sqrt(2 / 1 * 2) / 4
+    assert clustered_se([1.0, 1.0, 0.0, 0.0], list("aabb")) == pytest.approx(0.5)
+    assert clustered_se([1.0, 1.0, 0.0, 0.0], list("abab")) < 0.5  # the same values, mixed across clusters
+    with pytest.raises(ValueError, match="2 clusters"):
+        clustered_se([1.0, 0.0], ["a", "a"])
+    with pytest.raises(ValueError, match="3 values for 2 cluster labels"):
+        clustered_se([1.0, 0.0, 1.0], ["a", "b"])
+
+
+def test_compare_weights_pools_gold_positions_with_a_standard_error_by_question(tmp_path):
+    """Rows of several gold positions per question: the SE also clustered by question, and the answers at
+    the cap also counted as questions; one row per question gives no such columns."""
+    from ldqa.eval.bench.compare_weights import compare, main
+
+    head = "mode,example_id,gold_position,record,answers,prediction,score,stop_reason\n"
+    row = lambda m, r, p, s, stop="eos": f"{m},q{r}/pos{p},{p},{r},x,p{s},{s},{stop}\n"  # noqa: E731
+    text = head
+    for r, (f, b) in enumerate([(1, 0), (1, 1), (0, 0), (1, 1)]):  # question 0: block loses at both positions
+        for p in (1, 10):
+            text += row("full", r, p, f) + row("block", r, p, b, "max_new_tokens" if r == 0 else "eos")
+    (tmp_path / "a.csv").write_text(text)
+    c = compare(tmp_path / "a.csv", tmp_path / "a.csv", "block", "full")
+    assert c["n"] == 8 and c["questions"] == 4 and c["diff_points"] == -25.0
+    assert c["se_points_by_question"] > c["se_points"]  # question 0's two losses move together
+    assert (c["at_cap"], c["questions_at_cap"], c["ref_questions_at_cap"]) == (2, 1, 0)
+    one = compare(tmp_path / "a.csv", tmp_path / "a.csv", "block", "full", position=1)
+    assert one["se_points_by_question"] is None and one["questions_at_cap"] is None
+    assert main(["--mode", "block", "--ref-mode", "full", str(tmp_path / "a.csv"), str(tmp_path / "a.csv")]) == 0

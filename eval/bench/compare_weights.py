@@ -12,6 +12,11 @@ F1 for jsonl), the paired difference (points) with its standard error, how many
 predictions are word for word the reference's, the median TTFT and decode tokens/s of each, the token F1
 of each (SQuAD's, which punishes padding that best-subspan EM rewards) with its paired difference, the
 mean words per answer, and how many answers stopped at the token cap (rows with a `stop_reason`).
+Where a question has several rows (nq-multidoc's gold positions pooled), its answers are not independent
+(a reordering mode answers nearly the same at every position), so the standard error is also given
+clustered by question (`record`; the cluster-robust estimator with the G / (G - 1) correction, equal to
+the per-answer one when every question has one row), and the answers at the cap are also counted as
+questions with any answer there.
 Each argument is a run's directory (its `results.csv`, written by `ldqa eval`) or such a file itself,
 plain or gzipped (`docs/data/weights-nq200/*.csv.gz` are the rows of docs/results.md's 200-question
 runs), or several of them joined by commas, read as one run (a run extended with `ldqa eval --skip`).
@@ -59,6 +64,23 @@ def _rows(run: Path, mode: str, position: int | None = None) -> dict[str, dict]:
     return {r["record"]: r for r in rows.values() if int(r["gold_position"]) == position}
 
 
+def clustered_se(d: list[float], groups: list) -> float:
+    """Standard error of the mean of `d` with the observations clustered by `groups` (one label per
+    observation): sqrt(G / (G - 1) * sum over clusters of (sum of d - mean)^2) / n, G clusters (the
+    cluster-robust CR1 estimator, Cameron & Miller 2015, sec. 2.3); with every cluster of one observation it
+    is the usual stdev / sqrt(n). Raises ValueError for fewer than 2 clusters or mismatched lengths."""
+    if len(d) != len(groups):
+        raise ValueError(f"clustered_se: {len(d)} values for {len(groups)} cluster labels")
+    mean = statistics.fmean(d)
+    sums: dict = {}
+    for x, g in zip(d, groups):
+        sums[g] = sums.get(g, 0.0) + (x - mean)
+    G = len(sums)
+    if G < 2:
+        raise ValueError("clustered_se: needs at least 2 clusters")
+    return (G / (G - 1) * sum(v * v for v in sums.values())) ** 0.5 / len(d)
+
+
 def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | None = None,
             position: int | None = None, ref_position: int | None = None) -> dict:
     """Paired statistics of `other_dir`'s rows of eval mode `mode` against `ref_dir`'s rows of `ref_mode`
@@ -91,6 +113,11 @@ def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | 
     words = lambda rows: statistics.fmean(len(rows[i]["prediction"].split()) for i in ids)  # noqa: E731
     capped = lambda rows: (sum(rows[i].get("stop_reason") == "max_new_tokens" for i in ids)  # noqa: E731
                            if all(rows[i].get("stop_reason") for i in ids) else None)
+    records = [b[i].get("record") or None for i in ids]
+    pooled = all(records) and len(set(records)) < len(records)  # some question answered more than once
+    capped_q = lambda rows: (len({rows[i]["record"] for i in ids  # noqa: E731
+                                  if rows[i].get("stop_reason") == "max_new_tokens"})
+                             if pooled and capped(rows) is not None else None)
     f1_stats = {"ref_f1": statistics.fmean(f1["a"]), "f1": statistics.fmean(f1["b"]),
                 "f1_diff_points": 100 * statistics.fmean(df),
                 "f1_se_points": 100 * statistics.stdev(df) / len(df) ** 0.5} if has_answers else \
@@ -100,6 +127,9 @@ def compare(ref_dir: Path, other_dir: Path, mode: str = "full", ref_mode: str | 
             **{"run": str(other_dir), "n": len(ids), "ref_score": statistics.fmean(float(a[i]["score"]) for i in ids),
             "score": statistics.fmean(float(b[i]["score"]) for i in ids),
             "diff_points": 100 * statistics.fmean(d), "se_points": 100 * statistics.stdev(d) / len(d) ** 0.5,
+            "se_points_by_question": 100 * clustered_se(d, records) if pooled else None,
+            "questions": len(set(records)) if all(records) else None,
+            "ref_questions_at_cap": capped_q(a), "questions_at_cap": capped_q(b),
             "identical_predictions": sum(a[i]["prediction"].strip() == b[i]["prediction"].strip() for i in ids),
             "ref_ttft_ms": med(a, "ttft_ms"), "ttft_ms": med(b, "ttft_ms"),
             "ref_tokens_per_s": med(a, "tokens_per_s"), "tokens_per_s": med(b, "tokens_per_s")}}
@@ -125,17 +155,21 @@ def main(argv=None) -> int:
     where = lambda p: "" if p is None else f", gold at {p}"  # noqa: E731
     print(f"reference: {ref} ({ref_mode or mode} rows{where(ref_position or position)}), compared: {mode} rows"
           f"{where(position)}")
-    print("| run | n | reference score | score | paired diff (points) | SE | identical | TTFT ms ref -> run | "
-          "tok/s ref -> run | F1 ref -> run | F1 diff (SE) | words ref -> run | at cap ref -> run |")
+    print("| run | n | reference score | score | paired diff (points) | SE (by question) | identical | "
+          "TTFT ms ref -> run | tok/s ref -> run | F1 ref -> run | F1 diff (SE) | words ref -> run | "
+          "at cap ref -> run (questions) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for o in argv[1:]:
         c = compare(ref, Path(o), mode, ref_mode, position, ref_position)
+        by_q = c["se_points_by_question"] is not None
         print(f"| {o} | {c['n']} | {c['ref_score']:.3f} | {c['score']:.3f} | {c['diff_points']:+.1f} | "
-              f"{c['se_points']:.1f} | {c['identical_predictions']}/{c['n']} | {c['ref_ttft_ms']:.0f} -> "
+              f"{c['se_points']:.1f}" + (f" ({c['se_points_by_question']:.1f})" if by_q else "") + " | "
+              f"{c['identical_predictions']}/{c['n']} | {c['ref_ttft_ms']:.0f} -> "
               f"{c['ttft_ms']:.0f} | {c['ref_tokens_per_s']:.1f} -> {c['tokens_per_s']:.1f} | "
               + (f"{c['ref_f1']:.3f} -> {c['f1']:.3f} | {c['f1_diff_points']:+.1f} ({c['f1_se_points']:.1f}) | "
                  if c["f1"] is not None else "- | - | ") +
-              f"{c['ref_words']:.1f} -> {c['words']:.1f} | {_n(c['ref_at_cap'])} -> {_n(c['at_cap'])} |")
+              f"{c['ref_words']:.1f} -> {c['words']:.1f} | {_n(c['ref_at_cap'])} -> {_n(c['at_cap'])}"
+              + (f" ({_n(c['ref_questions_at_cap'])} -> {_n(c['questions_at_cap'])})" if by_q else "") + " |")
     return 0
 
 
