@@ -213,7 +213,7 @@ class Answer:
         if s.abstained:
             parts.append(f"no passage is close enough to the question (best similarity "
                          f"{s.best_dense_score:.2f} < {s.abstain_below}), so the model "
-                         "was not asked; rephrase, or ask anyway with --abstain-below 0 (API: abstain_below=None)")
+                         "was not asked; rephrase, or ask anyway with --abstain-below 0 (API: abstain_below=0)")
         dropped = s.passages_dropped or 0
         if dropped:
             parts.append(f"{dropped} lowest-ranked passage{'s' if dropped > 1 else ''} left out to fit the "

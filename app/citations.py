@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass
 
 from ldqa.retrieval.text import normalize_answer
 
+# How a citation was found, in words for a reader (`Citation.method` -> phrase)
+HOW = {"marker": "the model cited it", "contains": "holds the answer", "overlap": "shares the answer's words"}
+
 _MARKER = re.compile(r"\[(\d{1,3})\]")
 
 

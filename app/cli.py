@@ -23,7 +23,8 @@ SAMPLE_DIR = Path(__file__).parent / "sample"
 
 
 def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
-    p.add_argument("--store", help=store_help or "collection directory (default: the user's data dir, ldqa/default)")
+    p.add_argument("--store", help=store_help or "collection directory (default: the user's data dir, "
+                                                 "ldqa/stores/default)")
     from ldqa.app.options import add_model_arguments
 
     add_model_arguments(p)
@@ -33,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ldqa", description="Long-document question answering with citations.")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("ingest", help="add files or directories (.txt .md .pdf .html) to the collection")
+    p = sub.add_parser("ingest", help="add files or directories (.txt .md .pdf .html) to the collection",
+                       epilog="Exit status: 0 when every file was added, replaced or skipped (unchanged since "
+                              "it was stored); 1 when a file failed (each is named with its reason; the others "
+                              "are stored); 2 on a bad option or store.")
     _common(p)
     p.add_argument("paths", nargs="+")
     p.add_argument("--chunk-tokens", type=int, default=256, help="chunk size in LLM tokens (default 256)")
@@ -91,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and searches the shared collection STORE/shared with it, read-only; a "
                                    "store that held a single collection has its documents moved to "
                                    "STORE/shared the first time it is served with login.")
-    _common(p, "the served store (default: the user's data dir, ldqa/default): the collection, or with login "
+    _common(p, "the served store (default: the user's data dir, ldqa/stores/default): the collection, or with login "
                "the directory of every user's collection and the shared one")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860)
@@ -144,13 +148,20 @@ def cmd_ingest(args) -> int:
                 print("KV blocks: " + precompute_line(kv))
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
+        for f in report.errors:  # standard output holds the JSON: name the failures beside it
+            print(f"ldqa ingest: {f.path}: {f.reason}", file=sys.stderr)
     else:
         for f in report.files:
-            extra = f"{f.chunks} chunk{'' if f.chunks == 1 else 's'}" if f.status != "error" else f.reason
+            extra = (f.reason if f.status == "error" else
+                     _count(f.chunks, "chunk") + (", unchanged since it was stored" if f.status == "skipped" else ""))
             print(f"{f.status:9s} {f.path}  ({extra})")
-        print(f"{report.added} added/replaced, {report.skipped} skipped, {len(report.errors)} errors, "
-              f"{report.chunks} chunks in {report.ms / 1000:.1f} s; store {qa.store.path}")
-    return 1 if report.errors and not report.added and not report.skipped else 0
+        print(f"{report.added} added/replaced, {report.skipped} skipped, {_count(len(report.errors), 'error')}, "
+              f"{_count(report.chunks, 'chunk')} in {report.ms / 1000:.1f} s; store {qa.store.path}")
+    return 1 if report.errors else 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def precompute_line(kv: dict) -> str:
@@ -185,10 +196,30 @@ def read_question(args, stdin=None) -> str:
     return args.question
 
 
+def check_collection(store: str | None) -> None:
+    """Raise ValueError unless `store` (None: the default collection) holds a collection, so that asking
+    a mistyped store neither creates it nor leaves an empty one behind."""
+    from ldqa.indexes.store import DB_NAME, default_store_dir
+
+    path = Path(store).expanduser() if store else default_store_dir()
+    where = f"--store {store}" if store else f"the default collection {path}"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{where} is a file, not a collection directory: give the directory you ingested into")
+    if not (path / DB_NAME).is_file():
+        raise ValueError(f"{where}: no collection there; add documents first: ldqa ingest PATH"
+                         + (f" --store {store}" if store else ""))
+
+
 def cmd_ask(args) -> int:
     from ldqa.app.options import AnswerOptions
 
     question = read_question(args)
+    if not question.strip():  # before the collection: the first thing wrong is named first
+        raise ValueError('question is empty: ask something, e.g. ldqa ask "What is ...?"')
+    from ldqa.attention.loader import DEFAULT_MODEL, check_model_name
+
+    check_model_name(args.model or DEFAULT_MODEL)
+    check_collection(args.store)
     qa = _qa(args)
     if args.save_settings:
         if args.max_new_tokens is None:
@@ -217,9 +248,12 @@ def print_answer_details(ans) -> None:
         for i, p in enumerate(ans.passages[:3], 1):
             print(f"  [{i}] {p.title} ({Path(p.path).name}{f', page {p.page}' if p.page else ''})")
         return
+    from ldqa.app.citations import HOW
+
     for c in ans.citations:
         page = f", page {c.page}" if c.page else ""
-        print(f"  [{c.n}] {c.title} ({Path(c.path).name}{page}, chars {c.start}-{c.end}; {c.method})")
+        print(f"  [{c.n}] {c.title} ({Path(c.path).name}{page}, chars {c.start}-{c.end}; "
+              f"{HOW.get(c.method, c.method)})")
     if not ans.citations:
         print("  (no passage supports this answer verbatim; passages used:)")
         for i, p in enumerate(ans.passages[:3], 1):

@@ -169,8 +169,7 @@ class AnswerOptions:
         choices=CALIBRATION_FORMS)
     debias_strength: float | None = _opt(
         None, "calibrate methods: the intervention's strength s >= 0, the scale of each passage's log attention "
-              "weight (0: no rescaling; default 1.0 for difference and pearson, 1.2 for ratio: "
-              "ldqa.attention.debias.STRENGTH)", float, low=0)
+              "weight (0: no rescaling; default 1.0 for difference and pearson, 1.2 for ratio)", float, low=0)
     block_headers: str | None = _opt(
         None, "block modes: cached (default; each 'Passage [n]' header is a reused block, only the question is "
               "computed fresh) or fresh (headers computed with the question)", choices=HEADER_MODES)
@@ -179,15 +178,15 @@ class AnswerOptions:
     recompute_select: str | tuple[int, ...] | None = _opt(
         None, "block+recompute: which tokens are recomputed: question (those the question attends to most, over "
               "the whole context), deviation (per passage, those whose keys deviate most from full attention's; "
-              "CacheBlend) or lead (each passage's first); default: ldqa.attention.block_attention.DEFAULT_SELECT",
+              "CacheBlend) or lead (each passage's first); default: question",
         choices=SELECT_METHODS, ranks=True)
     block_anchors: bool | None = _opt(
         None, "block modes: encode each chunk of a long document after its document's first chunk (Star "
-              "Attention's anchor; default: ldqa.attention.block_attention.DEFAULT_ANCHORS)", bool)
+              "Attention's anchor; default: off)", bool)
     anchor_passages: int | None = _opt(
         None, "block modes: encode every passage block after this many generic passages (ldqa's own filler "
               "text, not part of the prompt), so no block is stored as the list's first document (default: "
-              "3 in block, 0 in block+recompute: ldqa.attention.block_attention.DEFAULT_ANCHOR_PASSAGES)", int,
+              "3 in block, 0 in block+recompute)", int,
         low=0, high=len(ANCHOR_PASSAGES))
     # --- retrieval attention (attention="retrieval"): `RetrievalConfig`'s fields, None = its default
     top_k_keys: int | str | None = _opt(

@@ -31,6 +31,7 @@ from pathlib import Path
 import gradio as gr
 
 from ldqa.app.api import LongDocQA
+from ldqa.app.citations import HOW
 from ldqa.app.collections import LOGIN_HINT, user_dir_name
 from ldqa.app.options import AnswerOptions, bounds, default, knob
 from ldqa.app.render import answer_facts
@@ -350,7 +351,7 @@ def passage_records(ans) -> list[dict]:
         elif c is not None:  # cited by marker or word overlap: the passage's sentence closest to the answer
             mark = closest_sentence(p.text, ans.text)
         out.append({"n": n, "where": _where(p.title, getattr(p, "path", ""), p.page), "text": p.text,
-                    "cited": c.method if c else "", "mark": mark})
+                    "cited": HOW.get(c.method, c.method) if c else "", "mark": mark})
     return out
 
 
@@ -399,7 +400,7 @@ def citation_messages(ans) -> list[dict]:
     cited span highlighted in an excerpt of its passage (all of it in the passage viewer)."""
     recs = passage_records(ans)
     return [{"role": "assistant", "content": passage_html(recs[c.n - 1], context=CHAT_EXCERPT_CHARS),
-             "metadata": {"title": f"[{c.n}] {recs[c.n - 1]['where']}", "log": c.method, "status": "done"}}
+             "metadata": {"title": f"[{c.n}] {recs[c.n - 1]['where']}", "log": HOW.get(c.method, c.method), "status": "done"}}
             for c in ans.citations]
 
 
@@ -407,7 +408,7 @@ def passages_table(ans) -> list[list]:
     """One row per retrieved passage: #, document (and page), fused (RRF; hybrid only), dense (cosine)
     and BM25 scores (blank when the passage was not in that list), how it is cited."""
     hybrid = ans.settings.retriever == "hybrid"
-    cited = {c.n: c.method for c in ans.citations}
+    cited = {c.n: HOW.get(c.method, c.method) for c in ans.citations}
 
     def f(x, digits):
         return "" if x is None else f"{x:.{digits}f}"
@@ -506,7 +507,7 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
     docs_label = ("Your collection (only you see it), then the shared documents (read-only)" if srv.per_user else
                   "Collection" + (", then the shared documents (read-only)" if srv.shared else ""))
     models = list(dict.fromkeys([qa.model_name, *PACKAGED_MODELS]))
-    examples = [q["question"] for q in _sample_questions()[:3]]
+    examples = sample_examples([qa.store, *srv.shared])
     with gr.Blocks(title="ldqa — ask your documents") as app:
         header = gr.Markdown(srv.status(), elem_id="ldqa-header")
         with gr.Tabs(selected="chat" if qa.documents() and not srv.per_user else "docs"):
@@ -521,7 +522,8 @@ def build_app(qa: LongDocQA, cfg: UIConfig | None = None) -> gr.Blocks:
                             question = gr.Textbox(placeholder="Ask a question about your documents…", show_label=False,
                                                   scale=6, container=False, elem_id="ldqa-question", autofocus=True)
                             ask_btn = gr.Button("Ask", variant="primary", scale=1, min_width=90, elem_id="ldqa-ask")
-                        gr.Examples(examples, inputs=question, label="Questions about the bundled sample")
+                        if examples:
+                            gr.Examples(examples, inputs=question, label="Questions about the bundled sample")
                     with gr.Column(scale=9):
                         with gr.Accordion("Settings", open=False):
                             model = gr.Dropdown(models, value=qa.model_name, label="Model")
@@ -608,6 +610,15 @@ def answer_cap_slider(window: int, value: int) -> gr.Slider:
     low, high = bounds("max_new_tokens", context_length=window)
     return gr.Slider(low, max(high, value), value=value, step=1, label=knob("max_new_tokens").label,
                      info=f"answer length cap; the model's window is {window:,} tokens", elem_id="ldqa-max-new")
+
+
+def sample_examples(stores) -> list[str]:
+    """Three of the bundled sample's questions when one of `stores` (`Store`s) holds a sample document
+    (matched by file name), else none: examples about documents a collection lacks would only mislead."""
+    names = {p.name for p in (SAMPLE_DIR / "docs").iterdir()}
+    if any(Path(d["path"]).name in names for st in stores for d in st.documents()):
+        return [q["question"] for q in _sample_questions()[:3]]
+    return []
 
 
 def _sample_questions() -> list[dict]:

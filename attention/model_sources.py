@@ -124,8 +124,16 @@ def _source(name: str) -> _Source:
     if p.is_dir() and (p / "config.json").exists():
         cfg = _hf_dir_config(p, name)
         return _Source(p, p, _dir_fingerprint(p), cfg, "hf")
-    raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
-                         "a .gguf file, or a directory with config.json and *.safetensors")
+    raise not_a_model(name, p)
+
+
+def not_a_model(name: str, p: Path) -> ModelLoadError:
+    """The error for a `--model` that is no packaged name, .gguf file or model directory: "not found"
+    when nothing is at `p`, else what is there instead."""
+    what = ("is a directory without config.json" if p.is_dir() else
+            f"is a {p.suffix or 'extension-less'} file, not a .gguf file" if p.exists() else "not found")
+    return ModelLoadError(f"model {name!r} {what}: use one of {', '.join(PACKAGED_MODELS)}, "
+                          "a .gguf file, or a directory with config.json and *.safetensors")
 
 
 # --------------------------------------------------------------------------- cheap architecture checks
@@ -392,5 +400,4 @@ def check_model_name(name: str) -> None:
     elif p.is_dir() and (p / "config.json").exists():
         _hf_dir_config(p, name)
     else:
-        raise ModelLoadError(f"model {name!r} not found: use one of {', '.join(PACKAGED_MODELS)}, "
-                             "a .gguf file, or a directory with config.json and *.safetensors")
+        raise not_a_model(name, p)

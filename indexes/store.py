@@ -187,7 +187,8 @@ class Store:
     IndexMismatchError
         If the store was built with another embedding model or dimension.
     ValueError
-        On a bad `dim` or `index_kind`, or a store written by a newer ldqa (schema version).
+        On a bad `dim` or `index_kind`, a `path` that is a file, or a store written by a newer ldqa (schema
+        version).
 
     Notes
     -----
@@ -202,6 +203,9 @@ class Store:
         if index_kind not in (None, "flat", "hnsw"):
             raise ValueError(f"Store: index_kind must be 'flat' or 'hnsw', got {index_kind!r}")
         self.path = Path(path).expanduser()
+        if self.path.exists() and not self.path.is_dir():
+            raise ValueError(f"store {self.path} is a file, not a directory: give the collection's directory "
+                             "(a new one is created)")
         self.path.mkdir(parents=True, exist_ok=True)
         self.embedder_name = embedder_name
         self.dim = int(dim)

@@ -79,7 +79,7 @@ def ingest_files(store, embedder, count_tokens, chunk_config, paths: str | Path 
     `ChunkConfig`; progress: show a tqdm bar on stderr. Same bytes as a stored document -> "skipped"; a
     stored path with changed bytes -> "replaced" (old chunks and everything derived from them are
     dropped in the same transaction). A file that fails (unsupported type, empty, corrupt, encrypted or
-    image-only PDF, binary, unreadable) gets an "error" result with the reason, logged to stderr; the
+    image-only PDF, binary, unreadable) gets an "error" result with the reason (the caller shows it); the
     other files go on; the store is unchanged for it. Raises nothing for bad files; raises ValueError if
     `paths` is empty. The caller serializes ingestion (`LongDocQA` holds a lock).
     prepare_groups: None (this process loads, chunks and embeds each group of files just before it is
@@ -113,8 +113,6 @@ def ingest_files(store, embedder, count_tokens, chunk_config, paths: str | Path 
         if bar is not None:
             bar.close()
     report.ms = (time.perf_counter() - t0) * 1000
-    for f in report.errors:
-        print(f"ldqa: {f.path}: {f.reason}", file=sys.stderr)
     for f in report.files:
         for w in f.warnings:
             log.warning("%s: %s", f.path, w)

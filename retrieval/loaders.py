@@ -93,6 +93,8 @@ def load_document(path: str | Path) -> Document:
         corrupt or password-protected PDF, PDF without a text layer, or no text at all.
     """
     p = Path(path)
+    if not p.exists():  # before its extension: a mistyped directory has none
+        raise LoadError(p, "no such file or directory; check the path")
     kind = SUPPORTED_EXTENSIONS.get(p.suffix.lower())
     if kind is None:
         supported = ", ".join(sorted(SUPPORTED_EXTENSIONS))

@@ -25,10 +25,15 @@ def test_cli_ingest_then_ask_json(tmp_path, tiny_model_dir):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"")
     r = _ldqa("ingest", SAMPLE, bad, "--store", store, "--model", model, "--json")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # a file failed; the others are stored
     report = json.loads(r.stdout)
     assert report["added"] == 4 and report["errors"] == 1
     assert "bad.txt" in r.stderr and "no text" in r.stderr  # the failure is named on stderr
+    r = _ldqa("ingest", SAMPLE, bad, "--store", store, "--model", model)
+    assert r.returncode == 1 and r.stderr.count("no text") == 0 and r.stdout.count("no text") == 1  # once, in the table
+    assert "unchanged since it was stored" in r.stdout and "0 added/replaced, 4 skipped, 1 error, " in r.stdout
+    r = _ldqa("ingest", SAMPLE, "--store", store, "--model", model)
+    assert r.returncode == 0 and "0 errors" in r.stdout
 
     r = _ldqa("ask", "What torque for the fan hub bolts?", "--store", store, "--model", model, "--top-k", "2",
               "--retriever", "bm25", "--max-new-tokens", "4", "--answer-prefix", "The torque is", "--json")
@@ -219,3 +224,27 @@ def test_serve_help_and_store_errors_name_the_collections(tmp_path):
     (tmp_path / "per-user" / "users").mkdir(parents=True)  # a store that has been served with login
     r = _ldqa("serve", "--store", tmp_path / "per-user")
     assert r.returncode == 2 and "serve it with login" in r.stderr and "--store" in r.stderr
+
+
+def test_ask_over_a_missing_store_creates_nothing_and_a_file_is_no_store(tmp_path):
+    missing = tmp_path / "typo" / "store"
+    r = _ldqa("ask", "What?", "--store", missing)
+    assert r.returncode == 2 and f"--store {missing}: no collection there" in r.stderr
+    assert "ldqa ingest PATH --store" in r.stderr and not (tmp_path / "typo").exists()
+    (tmp_path / "f").write_text("x")
+    for cmd in (("ask", "What?"), ("ingest", tmp_path / "f")):
+        r = _ldqa(*cmd, "--store", tmp_path / "f")
+        assert r.returncode == 2 and "is a file, not a" in r.stderr and "Errno" not in r.stderr, r.stderr
+
+
+def test_help_gives_the_defaults_values(tmp_path):
+    from ldqa.attention.block_attention import DEFAULT_ANCHOR_PASSAGES, DEFAULT_ANCHORS, DEFAULT_SELECT
+    from ldqa.attention.debias import STRENGTH
+
+    text = " ".join(_ldqa("ask", "--help").stdout.split())
+    assert f"default: {DEFAULT_SELECT}" in text and f"default: {'on' if DEFAULT_ANCHORS else 'off'}" in text
+    assert (f"default {STRENGTH['difference']:.1f} for difference and pearson, {STRENGTH['ratio']:.1f} for ratio"
+            in text) and STRENGTH["pearson"] == STRENGTH["difference"]
+    assert (f"{DEFAULT_ANCHOR_PASSAGES['block']} in block, {DEFAULT_ANCHOR_PASSAGES['block+recompute']} in "
+            "block+recompute") in text
+    assert "ldqa/stores/default" in text and "ldqa.attention." not in text  # values, not the code's names

@@ -121,6 +121,12 @@ def test_longdocqa_refuses_a_bad_model_at_construction(tmp_path):
         LongDocQA(store=store, model=str(write_gguf(tmp_path / "phi.gguf", "phi3")))
     with pytest.raises(ModelLoadError, match="not found"):
         LongDocQA(store=store, model=str(tmp_path / "missing.gguf"))
+    (tmp_path / "notes.pdf").write_bytes(b"%PDF-1.4")  # there, but no model: said so, not "not found"
+    with pytest.raises(ModelLoadError, match=r"is a \.pdf file, not a \.gguf file") as e:
+        LongDocQA(store=store, model=str(tmp_path / "notes.pdf"))
+    assert "not found" not in str(e.value)
+    with pytest.raises(ModelLoadError, match="is a directory without config.json"):
+        LongDocQA(store=store, model=str(tmp_path))
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"\0" * 100)
     with pytest.raises(ModelLoadError, match="not a GGUF file"):

@@ -259,6 +259,8 @@ def test_unsupported_lists_supported_extensions(tmp_path):
 def test_missing_path_and_directory(tmp_path):
     with pytest.raises(LoadError, match="no such file.*check the path"):
         load_document(tmp_path / "nowhere.txt")
+    with pytest.raises(LoadError, match="no such file or directory"):  # not "unsupported file type"
+        load_document(tmp_path / "mistyped_folder")
     (tmp_path / "folder.md").mkdir()
     with pytest.raises(LoadError, match="directory"):
         load_document(tmp_path / "folder.md")

@@ -421,3 +421,10 @@ def test_concurrent_search_while_adding(store):
     assert not errors, errors
     assert store.n_documents() == 33 and store.n_chunks() == 64
     assert len(store.dense_search(unit(0), 100)) == 64
+
+
+def test_a_store_path_that_is_a_file_is_refused_by_name(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="notes.txt is a file, not a directory"):
+        Store(tmp_path / "notes.txt", "emb", 8)
+    assert (tmp_path / "notes.txt").read_text() == "x"

@@ -195,7 +195,7 @@ def test_passage_view_highlights_the_cited_span():
     c = Citation(1, 7, 1, "Manual", "/x/manual.md", 3, 100, 140, "contains", answer_start=106, answer_end=110)
     ans = SimpleNamespace(passages=[p], citations=[c])
     html = passage_html(passage_records(ans)[0])
-    assert "[1] manual.md · page 3 · cited (contains)" in html
+    assert "[1] manual.md · page 3 · cited (holds the answer)" in html
     assert "Error <mark>E-14</mark> &lt;means&gt;" in html  # the span highlighted, the text escaped
 
 
@@ -400,3 +400,22 @@ def test_login_over_a_single_user_store_keeps_its_documents_reachable(tmp_path, 
         assert (root / "shared" / "uploads" / "maintenance_log.txt").exists() and not (root / "uploads").exists()
     finally:
         app.close()
+
+
+def test_sample_examples_only_where_the_sample_is(tmp_path):
+    """The bundled sample's questions are offered as examples only over a collection holding a sample
+    document."""
+    from ldqa.app.ui import SAMPLE_DIR, sample_examples
+    from ldqa.indexes.store import Store
+
+    class Docs:
+        def __init__(self, paths):
+            self.paths = paths
+
+        def documents(self):
+            return [{"path": str(p)} for p in self.paths]
+
+    sample = next((SAMPLE_DIR / "docs").iterdir())
+    assert len(sample_examples([Docs([tmp_path / "mine.txt"]), Docs([sample])])) == 3
+    assert sample_examples([Docs([tmp_path / "mine.txt"])]) == [] and sample_examples([]) == []
+    assert sample_examples([Store(tmp_path / "empty", "emb", 8)]) == []
