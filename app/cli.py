@@ -30,8 +30,16 @@ def _common(p: argparse.ArgumentParser, store_help: str | None = None) -> None:
     add_model_arguments(p)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the bad flag and why, then where the flags are listed (not the whole
+    usage first, which buries the line that matters)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ldqa", description="Long-document question answering with citations.")
+    ap = _Parser(prog="ldqa", description="Long-document question answering with citations.")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("ingest", help="add files or directories (.txt .md .pdf .html) to the collection",

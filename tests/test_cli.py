@@ -248,3 +248,11 @@ def test_help_gives_the_defaults_values(tmp_path):
     assert (f"{DEFAULT_ANCHOR_PASSAGES['block']} in block, {DEFAULT_ANCHOR_PASSAGES['block+recompute']} in "
             "block+recompute") in text
     assert "ldqa/stores/default" in text and "ldqa.attention." not in text  # values, not the code's names
+
+
+def test_a_bad_flag_gets_one_line_not_the_usage(tmp_path):
+    for args, named in ((("ask", "x?", "--top-k", "0"), "--top-k"), (("ask", "x?", "--attention", "blok"), "blok"),
+                        (("ingest",), "paths")):
+        r = _ldqa(*args)
+        assert r.returncode == 2 and named in r.stderr and "usage:" not in r.stderr, r.stderr
+        assert "--help` lists every flag" in r.stderr and len(r.stderr.splitlines()) == 2
