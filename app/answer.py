@@ -199,8 +199,8 @@ class Answer:
 
     @property
     def notice(self) -> str:
-        """What a reader should know about how this answer was made ("" when nothing): a cut answer, or
-        passages left out to fit the model's window."""
+        """What a reader should know about how this answer was made ("" when nothing): a cut answer, an
+        abstention, an answer no passage supports, or passages left out to fit the model's window."""
         parts = []
         s = self.settings
         if self.truncated and repeats_itself(self.text):
@@ -214,6 +214,9 @@ class Answer:
             parts.append(f"no passage is close enough to the question (best similarity "
                          f"{s.best_dense_score:.2f} < {s.abstain_below}), so the model "
                          "was not asked; rephrase, or ask anyway with --abstain-below 0 (API: abstain_below=0)")
+        if not s.abstained and not self.citations and self.text.strip():
+            parts.append("no passage holds this answer or most of its words: it may come from the model's own "
+                         "knowledge, not from the documents")
         dropped = s.passages_dropped or 0
         if dropped:
             parts.append(f"{dropped} lowest-ranked passage{'s' if dropped > 1 else ''} left out to fit the "

@@ -263,7 +263,7 @@ def print_answer_details(ans) -> None:
         print(f"  [{c.n}] {c.title} ({Path(c.path).name}{page}, chars {c.start}-{c.end}; "
               f"{HOW.get(c.method, c.method)})")
     if not ans.citations:
-        print("  (no passage supports this answer verbatim; passages used:)")
+        print("  passages used:")
         for i, p in enumerate(ans.passages[:3], 1):
             print(f"  [{i}] {p.title} ({Path(p.path).name}{f', page {p.page}' if p.page else ''})")
     print(f"  {' | '.join(answer_facts(ans))}")

@@ -632,10 +632,12 @@ def test_api_drops_lowest_ranked_passages_to_fit_the_window(tiny_model_dir, tmp_
         qa.stream("why " * window, top_k=2, abstain_below=None)  # raised before anything is computed
 
 
-def _answer(stop_reason: str, dropped: int = 0):
+def _answer(stop_reason: str, dropped: int = 0, cited: bool = True):
     from ldqa.app.api import Answer, Settings, Timings
+    from ldqa.app.citations import Citation
 
-    return Answer("q?", "An answer that goes on", [], [],
+    citations = [Citation(1, 7, 1, "Manual", "/x/manual.md", None, 0, 40, "contains")] if cited else []
+    return Answer("q?", "An answer that goes on", citations, [],
                   Timings(stop_reason=stop_reason, retrieval_ms=1.0, ttft_ms=2.0, tokens_per_s=3.0, prompt_tokens=9,
                           total_ms=5.0),
                   Settings(top_k=3, retriever="hybrid", attention="full", model="m", weights="q8_0", kv_dtype="fp32",
@@ -656,6 +658,8 @@ def test_truncation_notice_in_answer_cli_and_ui(capsys):
     assert "cut at max_new_tokens=64" in answer_markdown(cut) and "Note:" not in answer_markdown(whole)
     both = _answer("max_new_tokens", dropped=2)
     assert "2 lowest-ranked passages left out" in answer_markdown(both)
+    uncited = _answer("eos", cited=False)  # no passage supports it: said, in the API and the UI
+    assert "may come from the model's own knowledge" in uncited.notice and "own knowledge" in answer_markdown(uncited)
 
 
 def test_eval_jsonl_max_length_cuts_the_middle_and_logs_rows(tmp_path, tiny_model_dir):
@@ -717,6 +721,7 @@ def test_off_topic_question_abstains_without_running_the_model(tiny_model_dir, t
     monkeypatch.undo()
     forced = qa.ask("Who won the 2018 FIFA World Cup?", top_k=3, abstain_below=None)
     assert "abstained" not in forced.settings and forced.timings["generated_tokens"] >= 1
+    assert forced.citations or "may come from the model's own knowledge" in forced.notice
     assert "abstained" not in qa.ask("Who won the 2018 FIFA World Cup?", top_k=3, retriever="bm25").settings
     with pytest.raises(ValueError, match="abstain_below"):
         qa.ask("q?", abstain_below=2.0)
