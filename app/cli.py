@@ -210,7 +210,7 @@ def check_collection(store: str | None) -> None:
     from ldqa.indexes.store import DB_NAME, default_store_dir
 
     path = Path(store).expanduser() if store else default_store_dir()
-    where = f"--store {store}" if store else f"the default collection {path}"
+    where = f"--store {store}" if store else f"the default store {path}"
     if path.exists() and not path.is_dir():
         raise ValueError(f"{where} is a file, not a collection directory: give the directory you ingested into")
     if not (path / DB_NAME).is_file():

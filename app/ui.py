@@ -400,7 +400,8 @@ def citation_messages(ans) -> list[dict]:
     cited span highlighted in an excerpt of its passage (all of it in the passage viewer)."""
     recs = passage_records(ans)
     return [{"role": "assistant", "content": passage_html(recs[c.n - 1], context=CHAT_EXCERPT_CHARS),
-             "metadata": {"title": f"[{c.n}] {recs[c.n - 1]['where']}", "log": HOW.get(c.method, c.method), "status": "done"}}
+             "metadata": {"title": f"[{c.n}] {recs[c.n - 1]['where']}", "log": HOW.get(c.method, c.method),
+                          "status": "done"}}
             for c in ans.citations]
 
 
