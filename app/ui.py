@@ -614,10 +614,12 @@ def answer_cap_slider(window: int, value: int) -> gr.Slider:
 
 
 def sample_examples(stores) -> list[str]:
-    """Three of the bundled sample's questions when one of `stores` (`Store`s) holds a sample document
-    (matched by file name), else none: examples about documents a collection lacks would only mislead."""
+    """Three of the bundled sample's questions when `stores` (`Store`s) hold no document yet (the Documents
+    tab's button loads the sample) or one of them holds a sample document (matched by file name); none over
+    a collection of other documents, where they would only mislead."""
     names = {p.name for p in (SAMPLE_DIR / "docs").iterdir()}
-    if any(Path(d["path"]).name in names for st in stores for d in st.documents()):
+    docs = [Path(d["path"]).name for st in stores for d in st.documents()]
+    if not docs or any(n in names for n in docs):
         return [q["question"] for q in _sample_questions()[:3]]
     return []
 

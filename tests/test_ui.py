@@ -402,9 +402,9 @@ def test_login_over_a_single_user_store_keeps_its_documents_reachable(tmp_path, 
         app.close()
 
 
-def test_sample_examples_only_where_the_sample_is(tmp_path):
-    """The bundled sample's questions are offered as examples only over a collection holding a sample
-    document."""
+def test_sample_examples_only_where_the_sample_is_or_may_be_loaded(tmp_path):
+    """The bundled sample's questions are offered as examples over a collection holding a sample document,
+    or none yet (the sample is a button away), never over other documents."""
     from ldqa.app.ui import SAMPLE_DIR, sample_examples
     from ldqa.indexes.store import Store
 
@@ -417,5 +417,6 @@ def test_sample_examples_only_where_the_sample_is(tmp_path):
 
     sample = next((SAMPLE_DIR / "docs").iterdir())
     assert len(sample_examples([Docs([tmp_path / "mine.txt"]), Docs([sample])])) == 3
-    assert sample_examples([Docs([tmp_path / "mine.txt"])]) == [] and sample_examples([]) == []
-    assert sample_examples([Store(tmp_path / "empty", "emb", 8)]) == []
+    assert sample_examples([Docs([tmp_path / "mine.txt"])]) == []
+    assert sample_examples([Docs([tmp_path / "mine.txt"]), Store(tmp_path / "empty", "emb", 8)]) == []
+    assert len(sample_examples([Store(tmp_path / "empty", "emb", 8)])) == 3 and len(sample_examples([])) == 3
